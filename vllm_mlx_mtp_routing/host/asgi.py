@@ -1,0 +1,105 @@
+"""Request context for hooks, and refusals that stay plain HTTP errors even for streams.
+
+The host's OpenAI stream yields its role chunk before it calls the engine, so a refusal raised by the
+engine would otherwise land as an error frame inside a 200 stream. For streamed generation responses
+this middleware holds the response start and the early chunks until the engine has either produced
+its first output (then everything flows on) or refused the request (then the client gets the refusal
+as the HTTP status). Clients see the role chunk together with the first token: time to first token is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from ..errors import RequestRejected
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass
+class RequestContext:
+    headers: dict[str, str] = field(default_factory=dict)
+    engine_started: bool = False
+    rejection: RequestRejected | None = None
+
+
+CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("vllm_mlx_plugin_request", default=None)
+
+
+def current() -> RequestContext | None:
+    return CURRENT.get()
+
+
+def error_body(exc: RequestRejected) -> dict[str, Any]:
+    kind = "server_busy" if exc.status_code == 503 else "invalid_request_error"
+    return {"error": {"message": exc.message, "type": kind, "code": exc.status_code}}
+
+
+def error_headers(exc: RequestRejected) -> dict[str, str]:
+    return {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else {}
+
+
+class PluginRequestMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ctx = RequestContext(headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])})
+        token = CURRENT.set(ctx)
+        try:
+            if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
+                await self.app(scope, receive, _HoldingSend(send, ctx))
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            CURRENT.reset(token)
+
+
+class _HoldingSend:
+    """Holds an event stream's start and early chunks until the engine has decided on the request."""
+
+    def __init__(self, send: Send, ctx: RequestContext) -> None:
+        self._send = send
+        self._ctx = ctx
+        self._held: list[Message] | None = None
+        self._replaced = False
+
+    async def __call__(self, message: Message) -> None:
+        if self._replaced:
+            return
+        if message["type"] == "http.response.start":
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            if content_type.startswith(b"text/event-stream"):
+                self._held = [message]
+                return
+        elif self._held is not None:
+            if self._ctx.rejection is not None:
+                self._replaced = True
+                await self._send_rejection(self._ctx.rejection)
+                return
+            self._held.append(message)
+            if not (self._ctx.engine_started or not message.get("more_body", False)):
+                return
+            held, self._held = self._held, None
+            for m in held:
+                await self._send(m)
+            return
+        await self._send(message)
+
+    async def _send_rejection(self, exc: RequestRejected) -> None:
+        body = json.dumps(error_body(exc)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
+        await self._send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})

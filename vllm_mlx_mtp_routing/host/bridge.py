@@ -1,0 +1,144 @@
+"""The CLI half of the bridge: ``--plugins`` on the stock ``vllm-mlx serve`` of vllm-mlx 0.6.x.
+
+vllm-mlx 0.6.0 has no plugin system. ``cli.main()`` looks ``create_parser`` and ``serve_command`` up
+in its module at call time, so replacing those two module globals is the whole CLI integration (host
+internals, vllm-mlx 0.6.0). A host that ships the hooks natively (``vllm_mlx.plugins``, from
+``patches/vllm-mlx-0.6.0-plugin-hooks.patch``) is left alone: it discovers the same entry points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
+
+PLUGINS_HELP = (
+    "Comma-separated plugins to load from the 'vllm_mlx.plugins' entry-point group "
+    "(also VLLM_MLX_PLUGINS). Only named plugins load."
+)
+
+
+@dataclass
+class BridgeState:
+    """What one ``vllm-mlx serve`` invocation loaded; the server half reads it."""
+
+    names: list[str]
+    pm: Any
+    plugins: list[Any]
+    serve_parser: argparse.ArgumentParser
+    args: argparse.Namespace | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+STATE: BridgeState | None = None
+
+
+def host_has_native_hooks() -> bool:
+    try:
+        return importlib.util.find_spec("vllm_mlx.plugins") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def attach_cli(cli: ModuleType) -> None:
+    """Wrap the host's parser factory and serve command. Never raises: the host must keep working."""
+    try:
+        if host_has_native_hooks() or getattr(cli, "_vllm_mlx_plugin_bridge", False):
+            return
+        create_parser = cli.create_parser
+        serve_command = cli.serve_command
+    except Exception:
+        return
+
+    def create_parser_with_plugins() -> argparse.ArgumentParser:
+        parser = create_parser()
+        _extend_parser(parser, sys.argv[1:])
+        return parser
+
+    def serve_command_with_plugins(args: argparse.Namespace) -> Any:
+        if STATE is None:
+            return serve_command(args)
+        _prepare_serve(STATE, args)
+        return serve_command(args)
+
+    cli.create_parser = create_parser_with_plugins
+    cli.build_parser = create_parser_with_plugins
+    cli.serve_command = serve_command_with_plugins
+    cli._vllm_mlx_plugin_bridge = True
+
+
+def serve_subparser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser | None:
+    for action in parser._actions:  # argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get("serve")
+            if isinstance(sub, argparse.ArgumentParser):
+                return sub
+    return None
+
+
+def _extend_parser(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    global STATE
+    serve = serve_subparser(parser)
+    if serve is None or any("--plugins" in a.option_strings for a in serve._actions):
+        return
+    serve.add_argument("--plugins", default=os.environ.get("VLLM_MLX_PLUGINS"), metavar="NAME[,NAME...]", help=PLUGINS_HELP)
+    if "serve" not in argv:
+        return
+    from ..plugin_manager import requested_names
+
+    names = requested_names(argv)
+    if not names:
+        return  # stock behaviour: nothing imported, nothing scanned
+    STATE = load_into_parser(serve, names)
+
+
+def load_into_parser(serve: argparse.ArgumentParser, names: list[str]) -> BridgeState:
+    """Load the named plugins and let each add its flags; user errors exit like argparse does."""
+    from ..plugin_manager import PluginImportError, UnknownPluginError, load_plugins
+
+    try:
+        pm, loaded = load_plugins(names)
+    except UnknownPluginError as exc:
+        serve.error(f"argument --plugins: {exc}")
+    except PluginImportError as exc:
+        serve.exit(1, f"{serve.prog}: error: {exc}\n")
+    for plugin in loaded:
+        group = serve.add_argument_group(f"plugin {plugin.name}")
+        call_plugin_hook(pm, "vllm_mlx_add_cli_args", plugin.name, parser=serve, group=group)
+    return BridgeState(names=names, pm=pm, plugins=loaded, serve_parser=serve)
+
+
+def call_plugin_hook(pm: Any, hook_name: str, plugin_name: str, **kwargs: Any) -> list[Any]:
+    """Call one plugin's implementations of a hook, passing only the arguments each one takes."""
+    results = []
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        if impl.plugin_name == plugin_name:
+            results.append(impl.function(**{a: kwargs[a] for a in impl.argnames}))
+    return results
+
+
+def _prepare_serve(state: BridgeState, args: argparse.Namespace) -> None:
+    from ..errors import FlagError
+    from ..plugin_manager import parse_names
+
+    if parse_names(getattr(args, "plugins", None)) != state.names:
+        # argparse accepts abbreviations (--plug) that the pre-scan cannot see
+        state.serve_parser.error("argument --plugins: spell the flag out in full as --plugins")
+    state.args = args
+    try:
+        state.pm.hook.vllm_mlx_validate_args(args=args)
+    except FlagError as exc:
+        state.serve_parser.error(str(exc))
+    from . import server_hooks
+
+    server_hooks.install(state)
+    names = ", ".join(f"{p.name} {p.version or ''}".strip() for p in state.plugins)
+    logger.info("Plugins loaded: %s", names)
+
