@@ -105,8 +105,11 @@ def vllm_mlx_wrap_engine(engine: Any, context: EngineContext) -> Any:
 
 @hookspec
 def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> None:
-    """The engine has started and its model is loaded. Runs on the thread that owns the model's MLX
-    state (for ``--mllm`` continuous batching: the event-loop thread)."""
+    """The engine has started and its model is loaded, before the first request.
+
+    Runs on the thread that owns the model's MLX state (for ``--mllm`` continuous batching: the
+    event-loop thread). An implementation may return an awaitable; the host awaits it there.
+    """
 
 
 @hookspec

@@ -38,6 +38,7 @@ class BridgeState:
 
 
 STATE: BridgeState | None = None
+SERVE_PARSER: argparse.ArgumentParser | None = None
 
 
 def host_has_native_hooks() -> bool:
@@ -64,6 +65,9 @@ def attach_cli(cli: ModuleType) -> None:
 
     def serve_command_with_plugins(args: argparse.Namespace) -> Any:
         if STATE is None:
+            if getattr(args, "plugins", None) and SERVE_PARSER is not None:
+                # argparse accepts abbreviations (--plug) that the pre-scan of argv cannot see
+                SERVE_PARSER.error("argument --plugins: spell the flag out in full as --plugins")
             return serve_command(args)
         _prepare_serve(STATE, args)
         return serve_command(args)
@@ -84,14 +88,15 @@ def serve_subparser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser 
 
 
 def _extend_parser(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    global STATE
+    global STATE, SERVE_PARSER
     serve = serve_subparser(parser)
     if serve is None or any("--plugins" in a.option_strings for a in serve._actions):
         return
+    SERVE_PARSER = serve
     serve.add_argument("--plugins", default=os.environ.get("VLLM_MLX_PLUGINS"), metavar="NAME[,NAME...]", help=PLUGINS_HELP)
     if "serve" not in argv:
         return
-    from ..plugin_manager import requested_names
+    from ..plugin_names import requested_names
 
     names = requested_names(argv)
     if not names:
@@ -126,10 +131,9 @@ def call_plugin_hook(pm: Any, hook_name: str, plugin_name: str, **kwargs: Any) -
 
 def _prepare_serve(state: BridgeState, args: argparse.Namespace) -> None:
     from ..errors import FlagError
-    from ..plugin_manager import parse_names
+    from ..plugin_names import parse_names
 
-    if parse_names(getattr(args, "plugins", None)) != state.names:
-        # argparse accepts abbreviations (--plug) that the pre-scan cannot see
+    if not set(parse_names(getattr(args, "plugins", None))) <= set(state.names):
         state.serve_parser.error("argument --plugins: spell the flag out in full as --plugins")
     state.args = args
     try:

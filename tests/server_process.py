@@ -1,0 +1,80 @@
+"""The real ``vllm-mlx serve`` in a subprocess on 127.0.0.1, for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+
+@contextlib.contextmanager
+def serve(model: Path, *flags: str, log_dir: Path, startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> Iterator[Server]:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [VLLM_MLX, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=full_env)
+    server = Server(url=f"http://127.0.0.1:{port}", model=str(model), proc=proc, log_path=log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start in {startup_timeout}s:\n{server.log()[-4000:]}")
+            time.sleep(0.3)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def png_data_url(rgb: tuple[int, int, int], size: int = 64) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), rgb).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

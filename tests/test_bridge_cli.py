@@ -1,0 +1,158 @@
+"""The bridge as users meet it: the stock ``vllm-mlx`` command in a subprocess.
+
+Test plugins are hermetic: each lives in a temp dir with its own ``*.dist-info/entry_points.txt``,
+put on ``PYTHONPATH`` for that subprocess only.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
+
+
+def make_plugin(root: Path, name: str, module: str, source: str) -> Path:
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    dist = root / f"{module.replace('_', '-')}_plugin-0.0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}-plugin\nVersion: 0.0.1\n")
+    (dist / "entry_points.txt").write_text(f"[vllm_mlx.plugins]\n{name} = {module}\n")
+    return root
+
+
+def run_cli(*args: str, path: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    full_env.pop("VLLM_MLX_PLUGINS", None) if env is None or "VLLM_MLX_PLUGINS" not in env else None
+    if path is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), full_env.get("PYTHONPATH", "")]))
+    return subprocess.run([VLLM_MLX, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def plugins_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plugins")
+    make_plugin(root, "broken", "broken_plugin_mod", "raise ImportError('libfoo is missing')\n")
+    make_plugin(
+        root,
+        "checked",
+        "checked_plugin_mod",
+        """
+        import pluggy
+        from vllm_mlx_mtp_routing.errors import FlagError
+        hookimpl = pluggy.HookimplMarker("vllm_mlx")
+
+        def positive(value):
+            import argparse
+            v = int(value)
+            if v <= 0:
+                raise argparse.ArgumentTypeError("must be positive")
+            return v
+
+        @hookimpl
+        def vllm_mlx_add_cli_args(group):
+            group.add_argument("--checked-count", type=positive, default=1, help="a checked flag")
+            group.add_argument("--checked-limit", type=int, default=0)
+
+        @hookimpl
+        def vllm_mlx_validate_args(args):
+            if args.checked_limit > 10:
+                raise FlagError("--checked-limit", "cannot exceed 10")
+            raise SystemExit("VALIDATED-OK")
+        """,
+    )
+    return root
+
+
+def test_unknown_plugin_exits_2_listing_installed() -> None:
+    result = run_cli("serve", "some-model", "--plugins", "nope")
+    assert result.returncode == 2
+    assert "unknown plugin 'nope'" in result.stderr
+    assert "mtp-routing" in result.stderr
+
+
+def test_env_var_names_plugins_too() -> None:
+    result = run_cli("serve", "some-model", env={"VLLM_MLX_PLUGINS": "nope"})
+    assert result.returncode == 2
+    assert "unknown plugin 'nope'" in result.stderr
+
+
+def test_plugin_import_error_is_one_clear_line(plugins_dir: Path) -> None:
+    result = run_cli("serve", "some-model", "--plugins", "broken", path=plugins_dir)
+    assert result.returncode == 1
+    assert "plugin 'broken' failed to load: ImportError: libfoo is missing" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plugin_flags_show_in_help_only_when_enabled(plugins_dir: Path) -> None:
+    enabled = run_cli("serve", "--plugins", "mtp-routing,checked", "--help", path=plugins_dir)
+    assert enabled.returncode == 0
+    assert "plugin checked" in enabled.stdout and "--checked-count" in enabled.stdout
+    assert "plugin mtp-routing" in enabled.stdout
+    stock = run_cli("serve", "--help", path=plugins_dir)
+    assert "--checked-count" not in stock.stdout and "--plugins" in stock.stdout
+
+
+def test_bad_flag_value_exits_2_naming_flag(plugins_dir: Path) -> None:
+    result = run_cli("serve", "m", "--plugins", "checked", "--checked-count", "-3", path=plugins_dir)
+    assert result.returncode == 2
+    assert "argument --checked-count: must be positive" in result.stderr
+
+
+def test_validate_hook_flag_error_exits_2_naming_flag(plugins_dir: Path) -> None:
+    result = run_cli("serve", "m", "--plugins", "checked", "--checked-limit", "11", path=plugins_dir)
+    assert result.returncode == 2
+    assert "argument --checked-limit: cannot exceed 10" in result.stderr
+    ok = run_cli("serve", "m", "--plugins", "checked", "--checked-limit", "3", path=plugins_dir)
+    assert "VALIDATED-OK" in ok.stderr  # validation ran, before any model load
+
+
+def test_abbreviated_plugins_flag_is_refused(plugins_dir: Path) -> None:
+    result = run_cli("serve", "m", "--plug", "checked", path=plugins_dir)
+    assert result.returncode == 2
+    assert "--plugins" in result.stderr
+
+
+def test_without_plugins_nothing_of_the_bridge_loads() -> None:
+    code = (
+        "import sys; sys.argv = ['vllm-mlx', 'serve', 'm']\n"
+        "import vllm_mlx.cli as cli; p = cli.create_parser(); p.parse_args(sys.argv[1:])\n"
+        "heavy = ('pluggy', 'vllm_mlx_mtp_routing.plugin_manager', 'vllm_mlx_mtp_routing.plugin', 'vllm_mlx.server')\n"
+        "print(sorted(m for m in sys.modules if m in heavy))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_MLX_PLUGINS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_broken_bridge_never_breaks_stock_cli() -> None:
+    code = (
+        "import sys; sys.modules['vllm_mlx_mtp_routing.host.bridge'] = None\n"
+        "sys.argv = ['vllm-mlx', 'serve', '--help']\n"
+        "import vllm_mlx.cli as cli; cli.main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "--continuous-batching" in out.stdout and "--plugins" not in out.stdout
+
+
+def test_native_hooks_make_the_bridge_step_aside(tmp_path: Path) -> None:
+    # A host carrying the upstream patch has vllm_mlx.plugins; simulate it with a namespace overlay.
+    code = (
+        "import sys, types, importlib.util\n"
+        "import vllm_mlx\n"
+        "sys.modules['vllm_mlx.plugins'] = types.ModuleType('vllm_mlx.plugins')\n"
+        "sys.modules['vllm_mlx.plugins'].__spec__ = importlib.util.spec_from_loader('vllm_mlx.plugins', loader=None)\n"
+        "sys.argv = ['vllm-mlx', 'serve', '--help']\n"
+        "import vllm_mlx.cli as cli\n"
+        "print(getattr(cli, '_vllm_mlx_plugin_bridge', False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("False")
