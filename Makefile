@@ -1,0 +1,27 @@
+# Developer entry points on Linux (CPU MLX). `make demo` and `make test` each set up .venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test bench-quick
+
+$(STAMP): pyproject.toml requirements/linux-host.txt requirements/linux-nodeps.txt requirements/test.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements/linux-host.txt -r requirements/test.txt
+	$(BIN)/pip install -q --no-deps -r requirements/linux-nodeps.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench-quick: setup
+	$(BIN)/python benchmarks/serve_bench.py --quick
