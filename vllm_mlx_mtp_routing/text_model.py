@@ -1,0 +1,384 @@
+"""An mlx-lm qwen3_5 TextModel over a loaded mlx-vlm Qwen3.5 VLM's language backbone, zero-copy,
+plus the checkpoint's MTP head.
+
+Zero-copy: the TextModel's parameters are the very `mx.array` objects of the VLM's
+`language_model` (checked by identity, `assert_zero_copy`); the only new memory is the MTP head.
+
+MTP weights are looked for, in order, in
+  1. mtp/weights.safetensors        (keys `mtp.*`, or bare keys)
+  2. model-mtp.safetensors          (keys `mtp.*`, or bare keys)
+  3. the main shards                (keys `mtp.*`, `language_model.mtp.*`, `model.language_model.mtp.*`,
+                                     `model.mtp.*`; through model.safetensors.index.json, else
+                                     model.safetensors)
+and only the MTP tensors are read (mx.load is lazy: only the picked arrays are materialised).
+
+RMSNorm convention. Qwen3.5's HF checkpoints store zero-centred norm weights (gamma - 1: the
+module computes x * (1 + w)); MLX stores gamma. The rule, one decision per MTP source:
+  a. a manifest.json beside the file declaring `rmsnorm_weight_format` decides: `mlx_gamma` keeps
+     the weights, `hf_offset` / `zero_centered` / `offset` adds 1;
+  b. else a non-MLX writer in the safetensors metadata (`format` pt/tf/flax/np: a raw HF
+     checkpoint) or HF key naming (`model.language_model.*`) means zero-centred: add 1;
+  c. else (written by MLX tools, or no metadata: conversions and legacy sidecars) the values
+     decide: the mean of all the head's RMSNorm weights below 0.5 means zero-centred (add 1),
+     otherwise MLX gamma. Trained gammas sit near 1 and their offsets near 0.
+mlx-lm's own sanitize is never run on these weights: it adds 1 to every norm as soon as it sees
+an `mtp.` key, whatever the convention.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.qwen3_5 import TextModel, TextModelArgs
+
+from .mtp import MTPHead, resolve_hidden_state_mode
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5",)  # prefixes: qwen3_5, qwen3_5_text, qwen3_5_moe, ...
+MTP_KEY_PREFIXES = ("model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
+MTP_NORM_SUFFIXES = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "pre_fc_norm_hidden.weight",
+    "pre_fc_norm_embedding.weight",
+)
+_GAMMA_FORMATS = {"mlx_gamma", "gamma", "mlx"}
+_OFFSET_FORMATS = {"hf_offset", "zero_centered", "zero_centred", "offset", "hf"}
+_NON_MLX_WRITERS = {"pt", "tf", "flax", "np", "numpy", "paddle"}
+
+
+class TextModelUnavailable(Exception):
+    """The text path cannot be built for this model; the caller logs `reason` once and routes
+    every request to the media path."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class TextModelBundle:
+    model: TextModel
+    mtp: MTPHead | None
+    shared_arrays: int
+    mtp_bytes: int
+    extra_bytes: int
+    mtp_source: str | None = None
+    mtp_norms_shifted: bool = False
+    mtp_unavailable_reason: str | None = None
+    hidden_state_mode: str = "post_norm"
+
+
+# --------------------------------------------------------------------------------------------
+# Backbone
+# --------------------------------------------------------------------------------------------
+
+
+def _language_model(vlm_model: Any) -> Any:
+    lm = getattr(vlm_model, "language_model", None)
+    if lm is None or not hasattr(lm, "parameters"):
+        raise TextModelUnavailable(f"{type(vlm_model).__name__} has no language_model")
+    return lm
+
+
+def assert_zero_copy(vlm_model: Any, text_model: TextModel) -> int:
+    """Every TextModel parameter is the same mx.array object as the VLM's; returns how many.
+
+    vlm_model may be the VLM or its language_model."""
+    lm = vlm_model if hasattr(vlm_model, "model") and not hasattr(vlm_model, "language_model") else None
+    source = dict(tree_flatten((lm or _language_model(vlm_model)).parameters()))
+    ours = tree_flatten(text_model.parameters())
+    bad = [name for name, arr in ours if source.get(name) is not arr]
+    if bad:
+        raise TextModelUnavailable(f"TextModel is not zero-copy: {len(bad)} arrays differ, e.g. {bad[:3]}")
+    return len(ours)
+
+
+def _quantization_params(module: nn.Module) -> dict | None:
+    if not hasattr(module, "scales"):
+        return None
+    params = {"group_size": module.group_size, "bits": module.bits}
+    if getattr(module, "mode", "affine") != "affine":
+        params["mode"] = module.mode
+    return params
+
+
+def _build_backbone(lm: Any, text_config: dict) -> tuple[TextModel, int]:
+    source = dict(tree_flatten(lm.parameters()))
+    # The loaded VLM is the truth about tying: mlx-vlm creates lm_head only when untied.
+    text_config = {**text_config, "tie_word_embeddings": "lm_head.weight" not in source}
+    try:
+        model = TextModel(TextModelArgs.from_dict(text_config))
+    except Exception as e:  # a config the skeleton cannot take
+        raise TextModelUnavailable(f"cannot build mlx-lm qwen3_5 TextModel: {e}") from e
+
+    vlm_modules = dict(lm.named_modules())
+    if any(_quantization_params(m) for m in vlm_modules.values()):
+        # Quantize exactly the modules the VLM has quantized, with their own group size/bits.
+        nn.quantize(
+            model,
+            class_predicate=lambda path, m: hasattr(m, "to_quantized")
+            and path in vlm_modules
+            and (_quantization_params(vlm_modules[path]) or False),
+        )
+
+    ours = dict(tree_flatten(model.parameters()))
+    missing = sorted(ours.keys() - source.keys())
+    if missing:
+        raise TextModelUnavailable(
+            f"VLM language model lacks {len(missing)} TextModel parameters, e.g. {missing[:3]}"
+        )
+    wrong = [k for k, v in ours.items() if v.shape != source[k].shape]
+    if wrong:
+        raise TextModelUnavailable(f"shape mismatch for {len(wrong)} parameters, e.g. {wrong[:3]}")
+    # update() stores the given arrays themselves: no copy. The skeleton's random init is lazy
+    # and never evaluated, so it never allocates.
+    model.update(tree_unflatten([(k, source[k]) for k in ours]))
+    # mlx-lm's GatedDeltaNet picks its fused kernel only when not training.
+    model.train(False)
+    # Realise non-parameter arrays (RoPE tables) on this thread: a lazy graph is bound to the
+    # stream of the thread that recorded it.
+    mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
+    return model, assert_zero_copy(lm, model)
+
+
+# --------------------------------------------------------------------------------------------
+# MTP weights
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MTPWeights:
+    weights: dict[str, mx.array]  # MTP-relative keys ("fc.weight", "layers.0....")
+    source: str  # for logs: where they came from
+    norms_shifted: bool
+    norm_rule: str
+
+
+def _strip_mtp_prefix(key: str) -> str | None:
+    for prefix in MTP_KEY_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return None
+
+
+def _is_norm_key(key: str, value: mx.array) -> bool:
+    return value.ndim == 1 and (key == "norm.weight" or key.endswith(MTP_NORM_SUFFIXES))
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_dedicated(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    tensors, metadata = mx.load(str(path), return_metadata=True)
+    picked = {k: v for key, v in tensors.items() if (k := _strip_mtp_prefix(key)) is not None}
+    return (picked or tensors), metadata
+
+
+def _read_main_shards(model_path: Path) -> tuple[dict[str, mx.array], list[dict[str, str]], list[str], bool]:
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        hf_naming = any(k.startswith("model.language_model.") for k in weight_map)
+        shards: dict[str, list[str]] = {}
+        for key, shard in weight_map.items():
+            if _strip_mtp_prefix(key) is not None:
+                shards.setdefault(shard, []).append(key)
+    elif (model_path / "model.safetensors").exists():
+        shards, hf_naming = {"model.safetensors": []}, False
+    else:
+        return {}, [], [], False
+
+    picked: dict[str, mx.array] = {}
+    metadata: list[dict[str, str]] = []
+    for shard, keys in shards.items():
+        if not (model_path / shard).exists():
+            raise FileNotFoundError(f"MTP shard {shard} listed in the index is missing")
+        # Lazy: only the arrays picked here are ever read from the file.
+        tensors, meta = mx.load(str(model_path / shard), return_metadata=True)
+        metadata.append(meta)
+        for key in keys or list(tensors):
+            if (k := _strip_mtp_prefix(key)) is not None and key in tensors:
+                picked[k] = tensors[key]
+                hf_naming = hf_naming or key.startswith("model.language_model.")
+        del tensors
+    return picked, metadata, sorted(shards), hf_naming
+
+
+def _decide_norm_shift(
+    weights: dict[str, mx.array], manifest: dict, metadata: list[dict[str, str]], hf_naming: bool
+) -> tuple[bool, str]:
+    declared = str(manifest.get("rmsnorm_weight_format", "")).lower()
+    if declared in _GAMMA_FORMATS:
+        return False, f"manifest declares {declared}"
+    if declared in _OFFSET_FORMATS:
+        return True, f"manifest declares {declared}"
+    writers = {str(m.get("format", "")).lower() for m in metadata} & _NON_MLX_WRITERS
+    if writers or hf_naming:
+        why = f"format {','.join(sorted(writers))}" if writers else "HF key names"
+        return True, f"raw HF checkpoint ({why})"
+    norms = [v for k, v in weights.items() if _is_norm_key(k, v)]
+    if not norms:
+        return False, "no RMSNorm weights"
+    mean = mx.mean(mx.concatenate([n.astype(mx.float32) for n in norms])).item()
+    return mean < 0.5, f"MLX-written, RMSNorm mean {mean:.3f}"
+
+
+def _merge_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Fused (`experts.gate_up_proj`) or per-expert MoE tensors -> mlx-lm's switch_mlp layout."""
+    out = dict(weights)
+    for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:
+        base = key[: -len(".experts.gate_up_proj")]
+        gate, up = mx.split(out.pop(key), 2, axis=-2)
+        out[f"{base}.switch_mlp.gate_proj.weight"] = gate
+        out[f"{base}.switch_mlp.up_proj.weight"] = up
+        if (down := out.pop(f"{base}.experts.down_proj", None)) is not None:
+            out[f"{base}.switch_mlp.down_proj.weight"] = down
+    pattern = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+    groups: dict[tuple[str, str, str], dict[int, str]] = {}
+    for key in out:
+        if m := pattern.fullmatch(key):
+            groups.setdefault((m[1], m[3], m[4]), {})[int(m[2])] = key
+    for (base, proj, kind), experts in groups.items():
+        out[f"{base}.switch_mlp.{proj}.{kind}"] = mx.stack([out.pop(experts[e]) for e in sorted(experts)])
+    return out
+
+
+def load_mtp_weights(model_path: Path) -> MTPWeights | None:
+    """The checkpoint's MTP tensors in MLX gamma convention, or None when it has none."""
+    model_path = Path(model_path)
+    manifest: dict = {}
+    hf_naming = False
+    for rel in ("mtp/weights.safetensors", "model-mtp.safetensors"):
+        path = model_path / rel
+        if path.exists():
+            weights, meta = _read_dedicated(path)
+            metadata, source = [meta], rel
+            manifest = _read_manifest(path.with_name("manifest.json"))
+            break
+    else:
+        weights, metadata, shards, hf_naming = _read_main_shards(model_path)
+        source = ",".join(shards)
+        manifest = _read_manifest(model_path / "mtp" / "manifest.json")
+    if not weights:
+        return None
+    shift, rule = _decide_norm_shift(weights, manifest, metadata, hf_naming)
+    if shift:
+        weights = {k: (v + 1.0 if _is_norm_key(k, v) else v) for k, v in weights.items()}
+    return MTPWeights(_merge_experts(weights), source, shift, rule)
+
+
+def _mtp_quantization(head: MTPHead, weights: dict[str, mx.array]) -> None:
+    """Quantize the head's modules that arrive quantized; group size and bits from the shapes."""
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        in_dims = module.weight.shape[-1]
+        packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
+        return {"group_size": in_dims // scales.shape[-1], "bits": packed.shape[-1] * 32 // in_dims}
+
+    if any(k.endswith(".scales") for k in weights):
+        nn.quantize(head, class_predicate=predicate)
+
+
+def _build_mtp_head(
+    text_model: TextModel, text_config: dict, config: dict, model_path: Path
+) -> tuple[MTPHead | None, MTPWeights | None, str | None]:
+    layers = int(text_config.get("mtp_num_hidden_layers") or text_config.get("num_nextn_predict_layers")
+                 or config.get("num_nextn_predict_layers") or 0)
+    if layers <= 0:
+        return None, None, "config declares no MTP layers"
+    if text_config.get("mtp_use_dedicated_embeddings"):
+        return None, None, "dedicated MTP embeddings are not supported"
+    try:
+        loaded = load_mtp_weights(model_path)
+    except (OSError, ValueError) as e:
+        return None, None, f"cannot read MTP weights: {e}"
+    if loaded is None:
+        return None, None, "no MTP weights in the checkpoint"
+    head = MTPHead(text_model.args, layers, resolve_hidden_state_mode(config)).bind(text_model)
+    try:
+        _mtp_quantization(head, loaded.weights)
+        head.load_weights(list(loaded.weights.items()), strict=True)
+    except ValueError as e:
+        return None, loaded, f"MTP weights from {loaded.source} do not fit the head: {e}"
+    head.train(False)
+    mx.eval(head.parameters())
+    mx.eval([v for m in head.modules() for v in m.values() if isinstance(v, mx.array)])
+    return head, loaded, None
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_text_model(
+    vlm_model: Any, model_path: Path, config: dict, *, enable_mtp: bool = True
+) -> TextModelBundle:
+    """Zero-copy TextModel over the VLM's language backbone, plus the MTP head if the checkpoint
+    has one. Raises TextModelUnavailable when the text path cannot be served by it.
+
+    extra_bytes is the growth of mx.get_active_memory() across the build (process-wide: other
+    threads allocating meanwhile would show up in it).
+    """
+    model_path = Path(model_path)
+    text_config = config.get("text_config", config)
+    model_type = str(text_config.get("model_type") or config.get("model_type") or "")
+    if not model_type.startswith(SUPPORTED_MODEL_TYPES):
+        raise TextModelUnavailable(f"model_type {model_type!r} is not a Qwen3.5 hybrid model")
+    try:
+        hidden_state_mode = resolve_hidden_state_mode(config)
+    except ValueError as e:
+        raise TextModelUnavailable(str(e)) from e
+    lm = _language_model(vlm_model)
+
+    gc.collect()  # so collectable garbage freed mid-build does not hide in the measured growth
+    before = mx.get_active_memory()
+    model, shared = _build_backbone(lm, text_config)
+    head, loaded, reason = (None, None, "MTP not enabled")
+    if enable_mtp:
+        head, loaded, reason = _build_mtp_head(model, text_config, config, model_path)
+    extra = mx.get_active_memory() - before
+    mtp_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters())) if head else 0
+
+    name = model_path.name or str(model_path)
+    if head is not None:
+        logger.info(
+            "TextModel built zero-copy from %s: shared %d arrays, MTP head +%.1f MiB "
+            "(%d layer(s) from %s, RMSNorm %s: %s)",
+            name, shared, extra / 2**20, len(head.layers), loaded.source,
+            "+1 applied" if loaded.norms_shifted else "kept", loaded.norm_rule,
+        )
+    else:
+        logger.info(
+            "TextModel built zero-copy from %s: shared %d arrays, no MTP head (%s), +%.1f MiB",
+            name, shared, reason, extra / 2**20,
+        )
+    return TextModelBundle(
+        model=model,
+        mtp=head,
+        shared_arrays=shared,
+        mtp_bytes=mtp_bytes,
+        extra_bytes=extra,
+        mtp_source=loaded.source if loaded else None,
+        mtp_norms_shifted=bool(loaded and loaded.norms_shifted),
+        mtp_unavailable_reason=None if head is not None else reason,
+        hidden_state_mode=hidden_state_mode,
+    )
