@@ -377,6 +377,7 @@ def build_tiny_qwen35_vlm(
     # checkpoint, and tokenizer_from may point at out_dir itself.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    work.chmod(0o755)
     try:
         if tokenizer_from is not None:
             tok = copy_tokenizer(Path(tokenizer_from), work)
@@ -468,6 +469,7 @@ def tiny_model_dir(tmp_root: Path, dtype: str = "float32", placement: str = "sub
     if (out / "config.json").exists():
         return out
     tok_dir = tmp_root / "tokenizer"
+    tmp_root.mkdir(parents=True, exist_ok=True)
     if not (tok_dir / "tokenizer.json").exists():
         # Trained beside and renamed, so a concurrent reader never sees a partial one.
         staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=tmp_root))

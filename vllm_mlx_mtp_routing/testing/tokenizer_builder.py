@@ -227,14 +227,14 @@ def _train_bpe(bpe_vocab: int, corpus: list[Path], corpus_bytes: int):
         special_tokens=[],
     )
     tok.train_from_iterator(_corpus_texts(corpus, corpus_bytes), trainer=trainer)
-    tok.add_tokens(
-        [AddedToken(t, special=s, normalized=False, single_word=False, lstrip=False, rstrip=False) for t, s in ADDED_TOKENS]
-    )
+    flags = dict(normalized=False, single_word=False, lstrip=False, rstrip=False)
+    tok.add_tokens([AddedToken(t, special=s, **flags) for t, s in ADDED_TOKENS])
     return tok
 
 
 def _token_entry(content: str, special: bool) -> dict:
-    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": special}
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    return {"content": content, **flags, "special": special}
 
 
 def _write_configs(out_dir: Path, ids: dict[str, int]) -> None:
