@@ -37,3 +37,14 @@ def innermost(engine: Any) -> Any:
         engine = vars(engine)["wrapped"]
         seen += 1
     return engine
+
+
+def find_decorator(engine: Any, cls: type) -> Any:
+    """The first decorator of type ``cls`` in the chain from ``engine`` inwards, or None."""
+    seen = 0
+    while engine is not None and seen < 32:
+        if isinstance(engine, cls):
+            return engine
+        engine = vars(engine).get("wrapped") if hasattr(engine, "__dict__") else None
+        seen += 1
+    return None

@@ -1,0 +1,129 @@
+"""Routing through the real server (fp32 tiny model): outputs equal the host's, media keeps its pixels."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from server_process import Server, png_data_url, serve
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "def",
+    "import os\nimport sys\n\nclass Loader:\n    def __init__(self, path):\n        self.path = path",
+    "Write a function that parses a configuration file and returns a dictionary of sections " * 3,
+    "x = 1",
+    "for i in range(10):\n    print(i)\n" * 6,
+    "The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def plugin_server(tiny_vlm_fp32: Path, logs: Path) -> Iterator[Server]:
+    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--enable-mtp", "--max-num-seqs", "4", "--prefill-step-size", "32")
+    with serve(tiny_vlm_fp32, *flags, log_dir=logs) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def host_server(tiny_vlm_fp32: Path, logs: Path) -> Iterator[Server]:
+    with serve(tiny_vlm_fp32, "--continuous-batching", "--mllm", log_dir=logs) as server:
+        yield server
+
+
+def chat_text(server: Server, messages: list[dict], max_tokens: int = 12) -> str:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=180)
+    out = client.chat.completions.create(model=server.model, messages=messages, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].message.content or ""
+
+
+def routing(server: Server) -> dict[str, int]:
+    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["routing"]
+
+
+def test_text_greedy_equals_host(plugin_server: Server, host_server: Server) -> None:
+    before = routing(plugin_server)["text"]
+    for prompt in PROMPTS[:3]:
+        messages = [{"role": "user", "content": prompt}]
+        assert chat_text(plugin_server, messages) == chat_text(host_server, messages), prompt
+    assert routing(plugin_server)["text"] == before + 3
+
+
+def test_concurrent_requests_equal_alone(plugin_server: Server) -> None:
+    alone = [chat_text(plugin_server, [{"role": "user", "content": p}], 16) for p in PROMPTS]
+
+    async def burst() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{plugin_server.url}/v1", api_key="x", max_retries=0, timeout=180)
+
+        async def one(i: int, p: str) -> str:
+            await asyncio.sleep(0.05 * i)  # arrive at different steps
+            out = await client.chat.completions.create(
+                model=plugin_server.model, messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0
+            )
+            return out.choices[0].message.content or ""
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+    assert asyncio.run(burst()) == alone
+
+
+def image_chat(server: Server, rgb: tuple[int, int, int]) -> str:
+    content = [{"type": "text", "text": "Describe the picture."}, {"type": "image_url", "image_url": {"url": png_data_url(rgb)}}]
+    return chat_text(server, [{"role": "user", "content": content}], 16)
+
+
+def test_images_keep_their_pixels_with_enable_mtp(plugin_server: Server) -> None:
+    before = routing(plugin_server)["media"]
+    black, white = image_chat(plugin_server, (0, 0, 0)), image_chat(plugin_server, (255, 255, 255))
+    assert black != white
+    assert routing(plugin_server)["media"] == before + 2
+
+
+def test_mid_conversation_system_message(plugin_server: Server) -> None:
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "def f():"},
+        {"role": "assistant", "content": "    return 1"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def g():"},
+    ]
+    response = httpx.post(
+        f"{plugin_server.url}/v1/chat/completions",
+        json={"model": plugin_server.model, "messages": messages, "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_anthropic_endpoint_on_text_path(plugin_server: Server) -> None:
+    before = routing(plugin_server)["text"]
+    client = anthropic.Anthropic(base_url=plugin_server.url, api_key="x", max_retries=0)
+    msg = client.messages.create(
+        model=plugin_server.model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "import json"}]
+    )
+    assert msg.usage.output_tokens > 0
+    with client.messages.stream(model=plugin_server.model, max_tokens=6, messages=[{"role": "user", "content": "x ="}]) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed
+    assert routing(plugin_server)["text"] >= before + 2
+
+
+def test_stream_text_equals_non_stream(plugin_server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{plugin_server.url}/v1", api_key="x", max_retries=0, timeout=180)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chunks = client.chat.completions.create(model=plugin_server.model, messages=messages, max_tokens=12, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat_text(plugin_server, messages)
+

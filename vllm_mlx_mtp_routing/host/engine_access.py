@@ -1,0 +1,44 @@
+"""What the routing engine needs from the host's BatchedEngine (vllm-mlx 0.6.0 internals, read here only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from vllm_mlx.api.tool_calling import convert_tools_for_template
+from vllm_mlx.api.utils import clean_output_text
+from vllm_mlx.engine.base import GenerationOutput
+
+logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
+
+__all__ = ["GenerationOutput", "clean_output_text", "disable_mllm_mtp", "render_chat_prompt", "scheduler_setting"]
+
+
+def scheduler_setting(engine: Any, name: str, default: Any) -> Any:
+    config = getattr(engine, "_scheduler_config", None)
+    return getattr(config, name, default) if config is not None else default
+
+
+def disable_mllm_mtp(engine: Any) -> bool:
+    """Keep the host from injecting MTP into the mlx-vlm model (its injected ``__call__`` drops image
+    embeddings and M-RoPE positions). The MLLM scheduler then runs plain decoding; MTP runs on the
+    text path. Returns whether MTP had been enabled."""
+    config = getattr(engine, "_scheduler_config", None)
+    if config is None or not getattr(config, "enable_mtp", False):
+        return False
+    engine._scheduler_config = dataclasses.replace(config, enable_mtp=False)
+    return True
+
+
+def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
+    """The exact prompt the host would render for a text-only chat, so both paths see the same tokens."""
+    tools = options.get("tools")
+    return engine._apply_chat_template(
+        messages,
+        convert_tools_for_template(tools) if tools else None,
+        num_images=0,
+        num_audios=0,
+        chat_template_kwargs=dict(options.get("chat_template_kwargs") or {}),
+        enable_thinking=options.get("enable_thinking"),
+    )
