@@ -1,0 +1,22 @@
+"""Continuous-batching text engine for mlx-lm hybrid (gated-delta + attention) models, exact under batching."""
+
+from .batch import BatchScheduler, TextRequest
+from .batch_cache import BatchCache, RaggedKVCache
+from .decode import DecodeResult, DecodeStrategy, SingleTokenDecode
+from .engine import TextEngine, TextEngineError
+from .outputs import TextOutput
+from .sampling import SamplingOptions
+
+__all__ = [
+    "BatchCache",
+    "BatchScheduler",
+    "DecodeResult",
+    "DecodeStrategy",
+    "RaggedKVCache",
+    "SamplingOptions",
+    "SingleTokenDecode",
+    "TextEngine",
+    "TextEngineError",
+    "TextOutput",
+    "TextRequest",
+]

@@ -1,0 +1,129 @@
+"""BatchCache / RaggedKVCache: rows of any length in one forward, joins, drops, per-row rollback."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from vllm_mlx_mtp_routing.text_engine import BatchCache, RaggedKVCache
+
+
+@pytest.fixture(scope="module")
+def model(tiny_vlm_fp32):
+    from mlx_vlm import load
+    from vllm_mlx.text_model_from_vlm import build_text_model
+
+    vlm, _ = load(str(tiny_vlm_fp32))
+    return build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False)
+
+
+def _prefilled(model, prompt):
+    cache = model.make_cache()
+    if prompt:
+        model(mx.array(prompt)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def _batch(model, prompts):
+    bc = BatchCache(model)
+    for p in prompts:
+        bc.add_row(_prefilled(model, p))
+    return bc
+
+
+def _step(model, bc, tokens):
+    """Feed tokens [B][S]; logits [B, S, V]."""
+    logits = model(mx.array(tokens), cache=bc.layers)
+    mx.eval(logits, bc.state())
+    return logits
+
+
+PROMPTS = [[], [5, 9, 300], list(range(40, 340))]  # an empty row, a short one, one over 256
+
+
+def test_rows_of_any_length_equal_single_sequence(model):
+    bc = _batch(model, PROMPTS)
+    assert bc.lengths() == [0, 3, 300]
+    nxt = [[17], [18], [19]]
+    batched = _step(model, bc, nxt)
+    for i, p in enumerate(PROMPTS):
+        single = model(mx.array([p + nxt[i]]), cache=_prefilled(model, []))[:, -1]
+        assert mx.allclose(batched[i, -1], single[0], atol=1e-4)
+        assert mx.argmax(batched[i, -1]).item() == mx.argmax(single[0]).item()
+    assert bc.lengths() == [1, 4, 301]
+
+
+def test_multi_token_forward_equals_single_steps(model):
+    """What MTP verification needs: [token, draft_1..k] per row in one forward."""
+    run = [[21, 22, 23], [31, 32, 33], [41, 42, 43]]
+    multi = _step(model, _batch(model, PROMPTS), run)
+    bc = _batch(model, PROMPTS)
+    singles = [_step(model, bc, [[r[s]] for r in run])[:, 0] for s in range(3)]
+    assert mx.allclose(multi, mx.stack(singles, axis=1), atol=1e-4)
+
+
+def test_per_row_rollback(model):
+    """Verify 3 tokens per row, keep a different prefix per row, continue: as if never fed."""
+    run = [[21, 22, 23], [31, 32, 33], [41, 42, 43]]
+    keep = [1, 3, 0]
+    # Gated-delta state after each prefix length, captured by feeding one token at a time.
+    bc = _batch(model, PROMPTS)
+    states = [[list(c.cache) for c in bc.layers if isinstance(c, ArraysCache)]]
+    for s in range(3):
+        _step(model, bc, [[r[s]] for r in run])
+        states.append([list(c.cache) for c in bc.layers if isinstance(c, ArraysCache)])
+
+    bc = _batch(model, PROMPTS)
+    _step(model, bc, run)
+    for c in bc.layers:
+        if isinstance(c, RaggedKVCache):
+            c.trim_rows([3 - k for k in keep])
+    linear = [c for c in bc.layers if isinstance(c, ArraysCache)]
+    for j, c in enumerate(linear):
+        c.cache = [
+            mx.concatenate([states[k][j][e][i : i + 1] for i, k in enumerate(keep)])
+            for e in range(len(c.cache))
+        ]
+    assert bc.lengths() == [len(p) + k for p, k in zip(PROMPTS, keep)]
+    after = _step(model, bc, [[7], [8], [9]])
+
+    for i, p in enumerate(PROMPTS):
+        seq = p + run[i][: keep[i]] + [[7], [8], [9]][i]
+        ref = model(mx.array([seq]), cache=_prefilled(model, []))[0, -1]
+        assert mx.allclose(after[i, -1], ref, atol=1e-4)
+
+
+def test_filter_and_join_keep_rows_intact(model):
+    bc = _batch(model, PROMPTS)
+    bc.filter([2, 0])
+    assert bc.lengths() == [300, 0] and bc.batch_size == 2
+    bc.add_row(_prefilled(model, [77, 78]))
+    out = _step(model, bc, [[5], [6], [7]])
+    for row, seq in enumerate([PROMPTS[2] + [5], [6], [77, 78, 7]]):
+        ref = model(mx.array([seq]), cache=_prefilled(model, []))[0, -1]
+        assert mx.allclose(out[row, -1], ref, atol=1e-4)
+    bc.filter([])
+    assert bc.batch_size == 0 and bc.nbytes == 0
+
+
+def test_extract_row_as_kv_cache(model):
+    bc = _batch(model, PROMPTS)
+    kv = next(c for c in bc.layers if isinstance(c, RaggedKVCache))
+    row = kv.extract(1)
+    ref = next(c for c in _prefilled(model, PROMPTS[1]) if type(c) is KVCache)
+    assert isinstance(row, KVCache) and row.offset == 3
+    assert mx.array_equal(row.state[0], ref.state[0])
+    assert kv.extract(0).offset == 0 and kv.extract(0).keys is None
+
+
+def test_rejects_unbatchable_cache_types():
+    class M:
+        def make_cache(self):
+            return [ArraysCache(2), object()]
+
+    with pytest.raises(TypeError):
+        BatchCache(M())
+    np.testing.assert_equal(RaggedKVCache().size(), 0)

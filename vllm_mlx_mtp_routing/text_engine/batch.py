@@ -1,0 +1,296 @@
+"""The synchronous continuous-batching core: admission, chunked prefill, batched decode.
+
+Exactness. A request's output does not depend on what else is running:
+
+- prefill runs every request alone, on its own single-sequence mlx-lm cache (``model.make_cache()``),
+  over ``prompt[:-1]`` in chunks cut at fixed multiples of ``prefill_step_size`` from the start of
+  its prompt (as ``mlx_lm.generate.generate_step`` does), so neither padding nor other prompts ever
+  enter its forward passes and its chunk boundaries never depend on the other requests;
+- the prefilled cache then joins the decode batch as a new row of a ``BatchCache`` (per-row KV
+  lengths and RoPE offsets, per-row gated-delta state, nothing padded in front of a row), and the
+  row's first decode step feeds its last prompt token;
+- each row samples with its own PRNG key.
+
+Why not mlx-lm's ``BatchGenerator`` (0.31.3): it prefills a batch of prompts right-padded to the
+longest, telling the gated-delta caches the real lengths with ``ArraysCache.prepare(lengths=...)``.
+But the batch's caches come from ``ArraysCache.merge`` (mlx_lm/models/cache.py, ``ArraysCache.merge``,
+the early return for all-empty caches), which sets ``left_padding = zeros(B)``, and
+``ArraysCache.make_mask`` tests ``left_padding`` before ``lengths``: the mask becomes all-True, so
+``GatedDeltaNet.__call__`` (mlx_lm/models/qwen3_5.py) neither zeroes the padded ``qkv`` nor freezes
+the recurrent state at padded positions. The recurrent state of every row shorter than the longest
+prompt in its prefill chunk absorbs the padding tokens (the conv state is still cut at ``lengths``,
+and the attention KV is right-shifted correctly by ``BatchKVCache.finalize``). With
+``prefill_step_size=1`` no chunk is padded, which is why that setting is exact.
+tests/test_text_engine_batchgen_bug.py pins this.
+
+Step rule (``step``): admit waiting requests while running + prefilling < ``max_num_seqs``; run
+prefill chunks, oldest request first, while this step's prompt tokens stay within
+``prefill_step_size`` (always at least one chunk; a long prompt advances one chunk per step,
+several short ones share a step; a request waits for the one before it); requests whose prefill
+finished join the batch; then one decode step for the whole batch. A long prompt therefore delays
+the running rows by at most one chunk per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .batch_cache import BatchCache
+from .decode import DecodeStrategy, SingleTokenDecode
+from .detokenize import StopText, eos_ids_of
+from .outputs import TextOutput
+from .sampling import RowSampler, SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TextRequest:
+    request_id: str
+    prompt_ids: list[int]
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+
+
+class _Sequence:
+    """A request's generation state while the scheduler holds it."""
+
+    def __init__(self, req: TextRequest, tokenizer: Any, eos_ids: set[int]) -> None:
+        self.req = req
+        self.rid = req.request_id
+        self.sampler = RowSampler(req.options)
+        self.stop_ids = eos_ids | set(req.options.stop_token_ids)
+        self.text = StopText(tokenizer, req.options.stop)
+        self.token_ids: list[int] = []
+        self.cache: list[Any] | None = None  # single-sequence cache while prefilling
+        self.strategy_state: dict = {}  # the decode strategy's scratch space while prefilling
+        self.prefilled = 0  # tokens of prompt[:-1] already in the cache
+        self.next_input = req.prompt_ids[-1]
+        self.finish_reason: str | None = None
+        self.emitted_text = ""
+        self.emitted_tokens = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    @property
+    def to_prefill(self) -> int:
+        return len(self.req.prompt_ids) - 1
+
+    def add_tokens(self, tokens: list[int]) -> None:
+        """Append generated tokens, stopping at the first stop token/string or at max_tokens."""
+        for t in tokens:
+            self.token_ids.append(t)
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.text.add(t):
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.req.options.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                return
+        self.next_input = tokens[-1]
+
+    def output(self, finish_reason: str | None = None, error: str | None = None) -> TextOutput:
+        reason = finish_reason or self.finish_reason
+        if reason in ("stop", "length"):
+            self.text.finish()
+        new_text = self.text.take_new(final=reason is not None)
+        self.emitted_text += new_text
+        new_ids = self.token_ids[self.emitted_tokens :]
+        self.emitted_tokens = len(self.token_ids)
+        return TextOutput(
+            request_id=self.rid,
+            new_text=new_text,
+            text=self.emitted_text,
+            new_token_ids=new_ids,
+            token_ids=list(self.token_ids),
+            prompt_tokens=len(self.req.prompt_ids),
+            completion_tokens=len(self.token_ids),
+            finished=reason is not None,
+            finish_reason=reason,
+            mtp_drafted=self.drafted,
+            mtp_accepted=self.accepted,
+            error=error,
+        )
+
+
+class BatchScheduler:
+    """Continuous batching of text requests over an mlx-lm model; call ``step`` repeatedly."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        max_num_seqs: int = 16,
+        prefill_step_size: int = 2048,
+        eos_token_ids: list[int] | set[int] | None = None,
+        decode: DecodeStrategy | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or prefill_step_size < 1:
+            raise ValueError("max_num_seqs and prefill_step_size must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.prefill_step_size = prefill_step_size
+        self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
+        self.decode = decode or SingleTokenDecode()
+        self.waiting: deque[_Sequence] = deque()
+        self.prefilling: list[_Sequence] = []
+        self.running: list[_Sequence] = []  # decode batch rows, in cache row order
+        self.cache = BatchCache(model)
+        self.steps = 0
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.batch_size_histogram: dict[int, int] = {}
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, request: TextRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self._find(request.request_id) is not None:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.waiting.append(_Sequence(request, self.tokenizer, self.eos_ids))
+
+    def abort(self, request_id: str) -> TextOutput | None:
+        """Remove a request now (call between steps); its final output, or None if unknown."""
+        seq = self._find(request_id)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self._drop_rows([seq])
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.cache = None
+        return seq.output("abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def _find(self, request_id: str) -> _Sequence | None:
+        for group in (self.running, self.prefilling, self.waiting):
+            for s in group:
+                if s.rid == request_id:
+                    return s
+        return None
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[TextOutput]:
+        """Admit, prefill up to one token budget, decode the batch once; outputs of this step."""
+        outputs: list[TextOutput] = []
+        while self.waiting and len(self.prefilling) + len(self.running) < self.max_num_seqs:
+            self.prefilling.append(self.waiting.popleft())
+        outputs += self._prefill()
+        if self.running:
+            outputs += self._decode()
+        self.steps += 1
+        return outputs
+
+    def _prefill(self) -> list[TextOutput]:
+        outputs = []
+        budget = self.prefill_step_size
+        done = 0
+        for seq in list(self.prefilling):
+            try:
+                while seq.prefilled < seq.to_prefill:
+                    n = min(self.prefill_step_size, seq.to_prefill - seq.prefilled)
+                    if done and done + n > budget:
+                        break
+                    done += self._prefill_chunk(seq)
+            except Exception as e:  # only this request's own cache was touched
+                logger.exception("prefill failed for %s", seq.rid)
+                self.prefilling.remove(seq)
+                seq.cache = None
+                outputs.append(seq.output("error", error=f"{type(e).__name__}: {e}"))
+                continue
+            if seq.prefilled < seq.to_prefill:
+                break  # budget spent: later requests wait, keeping the queue order
+            self._join(seq)
+        return outputs
+
+    def _prefill_chunk(self, seq: _Sequence) -> int:
+        if seq.cache is None:
+            seq.cache = self.model.make_cache()
+        start = seq.prefilled
+        n = min(self.prefill_step_size, seq.to_prefill - start)  # boundaries fixed per prompt
+        chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
+        self.decode.prefill(self.model, chunk, seq.cache, seq.strategy_state)
+        seq.prefilled += n
+        self.prompt_tokens += n
+        return n
+
+    def _join(self, seq: _Sequence) -> None:
+        if seq.cache is None:
+            seq.cache = self.model.make_cache()
+        self.prefilling.remove(seq)
+        self.decode.join(seq.cache, seq.req.prompt_ids, seq.strategy_state)
+        self.cache.add_row(seq.cache)
+        seq.cache = None
+        seq.strategy_state = {}
+        self.running.append(seq)
+
+    def _decode(self) -> list[TextOutput]:
+        rows = self.running
+        self.batch_size_histogram[len(rows)] = self.batch_size_histogram.get(len(rows), 0) + 1
+        try:
+            result = self.decode.step(
+                self.model, self.cache, [s.next_input for s in rows], [s.sampler for s in rows]
+            )
+        except Exception as e:  # the batch's caches may be half-updated: every row is affected
+            logger.exception("decode step failed; failing %d running requests", len(rows))
+            self.running = []
+            self.cache = BatchCache(self.model)
+            self.decode.leave([])
+            return [s.output("error", error=f"{type(e).__name__}: {e}") for s in rows]
+        outputs, finished = [], []
+        for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
+            before = len(seq.token_ids)
+            seq.add_tokens(tokens)
+            self.generated_tokens += len(seq.token_ids) - before
+            if result.drafted:
+                seq.drafted += result.drafted[i]
+                seq.accepted += result.accepted[i]
+            outputs.append(seq.output())
+            if seq.finish_reason:
+                finished.append(seq)
+        if finished:
+            self._drop_rows(finished)
+        return outputs
+
+    def _drop_rows(self, gone: list[_Sequence]) -> None:
+        keep = [i for i, s in enumerate(self.running) if s not in gone]
+        self.running = [self.running[i] for i in keep]
+        self.cache.filter(keep)
+        self.decode.leave(keep)
+        if not self.running:
+            mx.clear_cache()
+
+    def fail_all(self, error: BaseException) -> list[TextOutput]:
+        """Finish every request with an error (last resort after an unexpected fault)."""
+        seqs = [*self.running, *self.prefilling, *self.waiting]
+        self.running, self.prefilling = [], []
+        self.waiting.clear()
+        self.cache = BatchCache(self.model)
+        self.decode.leave([])
+        return [s.output("error", error=f"{type(error).__name__}: {error}") for s in seqs]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running),
+            "prefilling": len(self.prefilling),
+            "waiting": len(self.waiting),
+            "steps": self.steps,
+            "prompt_tokens_processed": self.prompt_tokens,
+            "tokens_generated": self.generated_tokens,
+            "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
+            "cache_bytes": self.cache.nbytes,
+        }

@@ -1,0 +1,82 @@
+"""Decode strategies: how the running batch advances by one scheduler step.
+
+This is the plug-in point for batched speculative (MTP) decoding. The scheduler owns request
+bookkeeping (stops, max_tokens, streaming, joins and leaves); a strategy owns the forward pass(es),
+sampling and any per-row cache rollback. The contract of ``step``:
+
+- on entry, row i's cache holds its prompt and all tokens but ``inputs[i]``, the token it feeds next;
+- it returns, per row, one or more new tokens (plain decoding: exactly one; MTP: the accepted drafts
+  then the bonus token), each sampled with ``samplers[i]`` (one key split per sampled position keeps
+  seeded rows reproducible in any batch);
+- on exit, row i's cache holds everything up to but excluding the last returned token, which the
+  scheduler feeds as the next ``inputs[i]``. A strategy that verified more than it accepted rolls
+  the row back itself: ``RaggedKVCache.trim_rows`` for attention layers (O(1), per row), and the
+  gated-delta rows of ``BatchCache.layers`` (``ArraysCache``: cache[0] conv, cache[1] recurrent state,
+  batch on axis 0) restored from per-position states it captured.
+
+The scheduler may drop tokens after a stop inside the returned run; such a row leaves the batch.
+``prefill`` runs each prefill chunk (an MTP strategy can ask the model for hidden states there and
+fill the MTP head's cache for the row); ``join``/``leave`` keep any per-row state it owns (MTP
+caches, last hidden states) aligned with the batch rows. An MTP head's own attention cache can be a
+``RaggedKVCache`` too. A row that has no drafts yet (its first decode step) can be padded with dummy
+drafts and rolled back, since a forward feeds the same number of tokens to every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .batch_cache import BatchCache
+from .sampling import RowSampler, sample_rows
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[list[int]]
+    drafted: list[int] = field(default_factory=list)  # per row; empty means none
+    accepted: list[int] = field(default_factory=list)
+
+
+class DecodeStrategy(Protocol):
+    def prefill(self, model: nn.Module, tokens: mx.array, cache: list[Any], row: dict) -> None:
+        """Run one prefill chunk ([1, n]) of a request on its own single-sequence cache.
+
+        ``row`` is the request's scratch space, handed back to ``join`` (e.g. to build an MTP
+        head's cache from the chunk's hidden states).
+        """
+
+    def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
+        """A prefilled request is about to become the last row of the batch."""
+
+    def leave(self, keep: list[int]) -> None:
+        """The batch now holds only rows ``keep`` (old indices, in new order)."""
+
+    def step(
+        self, model: nn.Module, cache: BatchCache, inputs: list[int], samplers: list[RowSampler]
+    ) -> DecodeResult: ...
+
+
+class SingleTokenDecode:
+    """One forward of [B, 1] and one sampled token per row."""
+
+    def prefill(self, model: nn.Module, tokens: mx.array, cache: list[Any], row: dict) -> None:
+        model(tokens, cache=cache)
+        mx.eval([c.state for c in cache])
+
+    def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
+        pass
+
+    def leave(self, keep: list[int]) -> None:
+        pass
+
+    def step(
+        self, model: nn.Module, cache: BatchCache, inputs: list[int], samplers: list[RowSampler]
+    ) -> DecodeResult:
+        logits = model(mx.array(inputs, dtype=mx.uint32)[:, None], cache=cache.layers)[:, -1, :]
+        tokens = sample_rows(logits, samplers)
+        mx.eval(tokens, cache.state())
+        return DecodeResult([[t] for t in tokens.tolist()])

@@ -1,0 +1,162 @@
+"""The asyncio face of the text engine: one step task on the event loop, streams per request.
+
+All MLX work (prefill, decode, cache joins and drops) runs in ``BatchScheduler.step`` or
+``abort``, called only from the event-loop thread, the thread that owns the model's arrays and
+streams. After each step the task yields several loop cycles so that another scheduler stepping on
+the same loop (the host's MLLM scheduler) and the HTTP handlers get their turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import mlx.nn as nn
+
+from .batch import BatchScheduler, TextRequest
+from .decode import DecodeStrategy
+from .outputs import TextOutput
+from .sampling import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+_YIELDS_PER_STEP = 5  # as vllm-mlx 0.6.0 mllm_scheduler._process_loop: an HTTP request needs ~3
+
+
+class TextEngineError(RuntimeError):
+    """A request failed inside the engine; the other requests carry on."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id
+
+
+class TextEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        max_num_seqs: int = 16,
+        prefill_step_size: int = 2048,
+        eos_token_ids: list[int] | None = None,
+        decode: DecodeStrategy | None = None,
+    ) -> None:
+        self.scheduler = BatchScheduler(
+            model,
+            tokenizer,
+            max_num_seqs=max_num_seqs,
+            prefill_step_size=prefill_step_size,
+            eos_token_ids=eos_token_ids,
+            decode=decode,
+        )
+        self._queues: dict[str, asyncio.Queue[TextOutput]] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._step_seconds = 0.0
+        self._loop_errors = 0
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="text-engine-step")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for rid in list(self._queues):
+            out = self.scheduler.abort(rid)
+            if out is not None:
+                self._deliver(out)
+
+    async def add_request(
+        self, prompt_ids: list[int], options: SamplingOptions, request_id: str | None = None
+    ) -> str:
+        if not self.running:
+            raise RuntimeError("TextEngine is not started")
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._queues:
+            raise ValueError(f"duplicate request id {rid!r}")
+        self.scheduler.add(TextRequest(rid, list(prompt_ids), options))
+        self._queues[rid] = asyncio.Queue()
+        self._wakeup.set()
+        return rid
+
+    async def stream(self, request_id: str) -> AsyncIterator[TextOutput]:
+        """Outputs of one request until it finishes; raises TextEngineError if it failed.
+
+        Leaving the iteration early (client disconnect, cancellation) aborts the request.
+        """
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                if out.finish_reason == "error":
+                    raise TextEngineError(request_id, out.error or "unknown error")
+                yield out
+        finally:
+            if not finished:
+                await self.abort(request_id)
+            self._queues.pop(request_id, None)
+
+    async def generate(self, prompt_ids: list[int], options: SamplingOptions) -> TextOutput:
+        rid = await self.add_request(prompt_ids, options)
+        last = None
+        async for out in self.stream(rid):
+            last = out
+        return last
+
+    async def abort(self, request_id: str) -> bool:
+        out = self.scheduler.abort(request_id)
+        if out is None:
+            return False
+        self._deliver(out)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        s["step_seconds_total"] = round(self._step_seconds, 3)
+        s["loop_errors"] = self._loop_errors
+        return s
+
+    def _deliver(self, out: TextOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            tic = time.perf_counter()
+            try:
+                outputs = self.scheduler.step()
+            except Exception as e:  # a fault outside the per-request handling: fail, keep looping
+                logger.exception("text engine step failed")
+                self._loop_errors += 1
+                outputs = self.scheduler.fail_all(e)
+            self._step_seconds += time.perf_counter() - tic
+            for out in outputs:
+                self._deliver(out)
+            for _ in range(_YIELDS_PER_STEP):
+                await asyncio.sleep(0)

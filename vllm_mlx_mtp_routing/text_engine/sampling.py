@@ -1,0 +1,89 @@
+"""Per-request sampling that gives a row the same tokens alone or inside any batch.
+
+Every row samples from its own logits with its own PRNG key (split once per sampled token), so
+neither the batch size nor a row's position in the batch changes which random numbers it sees.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass
+class SamplingOptions:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RowSampler:
+    """One request's sampling parameters and PRNG stream."""
+
+    def __init__(self, options: SamplingOptions) -> None:
+        self.options = options
+        self.greedy = options.greedy
+        self._seed = options.seed if options.seed is not None else random.getrandbits(63)
+        self._key: mx.array | None = None  # built at first use, on the thread that steps
+
+    def next_key(self) -> mx.array:
+        if self._key is None:
+            self._key = mx.random.key(self._seed)
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """Sample one token id from a 1-D row of logits (not for greedy rows)."""
+        o = self.options
+        x = logits.astype(mx.float32) * (1.0 / o.temperature)
+        neg_inf = mx.array(-float("inf"), dtype=mx.float32)
+        if 0 < o.top_k < x.shape[-1]:
+            kth = mx.sort(x)[-o.top_k]
+            x = mx.where(x >= kth, x, neg_inf)
+        if o.top_p < 1.0:
+            order = mx.argsort(-x)
+            p_sorted = mx.softmax(x[order])
+            # A token stays if the mass strictly before it is below top_p (the top one always stays).
+            keep_sorted = (mx.cumsum(p_sorted) - p_sorted) < o.top_p
+            keep = keep_sorted[mx.argsort(order)]
+            x = mx.where(keep, x, neg_inf)
+        if o.min_p > 0.0:
+            probs = mx.softmax(x)
+            x = mx.where(probs >= o.min_p * probs.max(), x, neg_inf)
+        return mx.random.categorical(x, key=self.next_key())
+
+
+def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
+    """Next token per row of ``logits`` [B, V]: argmax for greedy rows, own-key sampling otherwise."""
+    greedy = mx.argmax(logits, axis=-1)
+    if all(s.greedy for s in samplers):
+        return greedy
+    rows = [greedy[i] if s.greedy else s.sample(logits[i]) for i, s in enumerate(samplers)]
+    return mx.stack(rows).astype(greedy.dtype)
