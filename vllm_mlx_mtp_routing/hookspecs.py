@@ -5,7 +5,7 @@ below. Implementations may accept any subset of a spec's arguments, by name, so 
 without breaking plugins. Plugins are found through the entry-point group ``vllm_mlx.plugins`` and
 only the ones named by ``--plugins`` / ``VLLM_MLX_PLUGINS`` load.
 
-The same file is shipped upstream as ``vllm_mlx/plugins/hookspecs.py`` by
+The same API (hook names, arguments, dataclass fields) ships upstream as ``vllm_mlx/plugins/hookspecs.py`` in
 ``patches/vllm-mlx-0.6.0-plugin-hooks.patch``; keep the two in step.
 """
 

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, admission
 from .engine_decorator import find_decorator
-from .hookspecs import EngineContext, ModelInfo, hookimpl
+from .errors import RequestRejected
+from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")
+
+PRIORITY_HEADER = "x-request-priority"
+
+
+@dataclass
+class _State:
+    """Per process: one ``vllm-mlx serve`` loads this plugin once."""
+
+    admission: admission.AdmissionSettings | None = None
+    routing_active: bool = False
+
+
+STATE = _State()
 
 
 @hookimpl
@@ -22,6 +39,12 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         action="store_true",
         help="Load the plugin but leave the engine as the host built it (every request on the host's path).",
     )
+    admission.add_arguments(group)
+
+
+@hookimpl
+def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
+    STATE.admission = admission.validate(args)
 
 
 @hookimpl
@@ -41,7 +64,46 @@ def vllm_mlx_wrap_engine(engine: Any, context: EngineContext) -> Any:
         max_num_seqs=int(engine_access.scheduler_setting(engine, "max_num_seqs", 16)),
         prefill_step_size=int(engine_access.scheduler_setting(engine, "prefill_step_size", 2048)),
     )
+    STATE.routing_active = True
     return RoutingEngine(engine, settings)
+
+
+def eos_token_ids(model_path: Path, config: dict[str, Any], tokenizer: Any) -> list[int]:
+    """EOS ids from generation_config.json, the config and the tokenizer: the model stops on any of them."""
+    ids: list[int] = []
+    sources: list[Any] = [config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
+    gen_config = model_path / "generation_config.json"
+    if gen_config.is_file():
+        sources.insert(0, json.loads(gen_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _admission_controller(info: ModelInfo, router: RoutingEngine) -> Any:
+    import mlx.core as mx
+
+    settings = STATE.admission
+    if settings is None:
+        return None
+    try:
+        admission.check_budget_after_load(settings, mx.get_active_memory())
+    except Exception as exc:  # the flag cannot work with this model on this device: say so, then fail start-up
+        logger.error("mtp-routing: %s", exc)
+        raise
+    memory_model = admission.MemoryModel.from_model_config(
+        info.config, prefill_step_size=router.settings.prefill_step_size, include_mtp=router.settings.enable_mtp
+    )
+    controller = admission.AdmissionController.from_settings(settings, memory_model=memory_model)
+    admission.register_metrics(controller)
+    logger.info(
+        "mtp-routing admission: policy=%s budget=%.2f GiB (device %.2f GiB from %s, headroom %.2f GiB), max running %d, max queue %d",
+        settings.policy, settings.budget_bytes / 2**30, settings.device_bytes / 2**30, settings.device_source,
+        settings.headroom_bytes / 2**30, settings.max_running, settings.max_queue,
+    )
+    return controller
 
 
 @hookimpl
@@ -52,6 +114,9 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     from .text_engine.engine import TextEngine
     from .text_model import TextModelUnavailable, build_text_model
 
+    router.tokenizer_for_text = info.tokenizer
+    router.tokens_per_media_item = engine_access.tokens_per_media_item(router.wrapped)
+    router.admission = _admission_controller(info, router)
     try:
         bundle = build_text_model(info.model, Path(info.model_path), info.config, enable_mtp=router.settings.enable_mtp)
     except TextModelUnavailable as exc:
@@ -62,8 +127,20 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         info.tokenizer,
         max_num_seqs=router.settings.max_num_seqs,
         prefill_step_size=router.settings.prefill_step_size,
+        eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
     )
-    return router.start_text_path(text_engine, info.tokenizer)
+    return router.start_text_path(text_engine)
+
+
+@hookimpl
+def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is None or not STATE.routing_active:
+        return
+    try:
+        request.options["priority"] = int(value)
+    except ValueError:
+        raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
 
 
 @hookimpl

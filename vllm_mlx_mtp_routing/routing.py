@@ -30,16 +30,21 @@ MEDIA_PART_KEYS = ("image_url", "input_image", "video_url", "input_audio", "audi
 MEDIA_OPTIONS = ("images", "videos", "audio")
 
 
-def has_media(messages: list[dict[str, Any]] | None, options: dict[str, Any]) -> bool:
-    if any(options.get(k) for k in MEDIA_OPTIONS):
-        return True
+def _is_media_part(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") in MEDIA_PART_TYPES or any(k in part for k in MEDIA_PART_KEYS))
+
+
+def _media_parts(messages: list[dict[str, Any]] | None) -> int:
+    count = 0
     for message in messages or ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and (part.get("type") in MEDIA_PART_TYPES or any(k in part for k in MEDIA_PART_KEYS)):
-                    return True
-    return False
+            count += sum(1 for part in content if _is_media_part(part))
+    return count
+
+
+def has_media(messages: list[dict[str, Any]] | None, options: dict[str, Any]) -> bool:
+    return any(options.get(k) for k in MEDIA_OPTIONS) or _media_parts(messages) > 0
 
 
 def text_path_gap(options: dict[str, Any]) -> str | None:
@@ -92,7 +97,9 @@ class RoutingSettings:
 class RoutingEngine(EngineDecorator):
     """Decorates the host's BatchedEngine; the host engine keeps doing what it does."""
 
-    _own_attrs = frozenset({"wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason"})
+    _own_attrs = frozenset(
+        {"wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission", "tokens_per_media_item"}
+    )
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
         super().__init__(wrapped)
@@ -101,15 +108,16 @@ class RoutingEngine(EngineDecorator):
         self.tokenizer_for_text: Any = None
         self.routes: Counter[str] = Counter(text=0, media=0, fallback=0)
         self.disabled_reason: str | None = "model not loaded yet"
+        self.admission: Any = None  # an admission.AdmissionController once the model is loaded
+        self.tokens_per_media_item = 0
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info("MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings); text requests get MTP")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start_text_path(self, text_engine: Any, tokenizer: Any) -> None:
+    async def start_text_path(self, text_engine: Any) -> None:
         await text_engine.start()
         self.text_engine = text_engine
-        self.tokenizer_for_text = tokenizer
         self.disabled_reason = None
 
     def disable_text_path(self, reason: str) -> None:
@@ -143,52 +151,100 @@ class RoutingEngine(EngineDecorator):
             raise RequestRejected(400, f"chat template error: {exc}") from exc
         return self._encode(prompt)
 
-    async def _text_stream(self, prompt_ids: list[int], options: dict[str, Any]) -> AsyncIterator[TextOutput]:
-        request_id = await self.text_engine.add_request(prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}")
+    async def _admit(self, path: str, prompt_tokens: int, options: dict[str, Any], priority: int) -> Any:
+        """Wait for room, or raise RequestRejected (503 busy, 413 never fits) before any output exists."""
+        if self.admission is None:
+            return None
+        return await self.admission.acquire(
+            prompt_tokens=prompt_tokens, max_tokens=int(options.get("max_tokens") or 256), priority=priority, path=path
+        )
+
+    def _media_prompt_tokens(self, messages: list[dict[str, Any]] | None, prompt: str | None, options: dict[str, Any]) -> int:
+        """A projection, not a count: the host expands each image after admission, so every media item is
+        taken at the processor's bound (see tokens_per_media_item)."""
+        if messages is not None:
+            try:
+                prompt = host.render_chat_prompt(self.wrapped, messages, options)
+            except Exception as exc:
+                raise RequestRejected(400, f"chat template error: {exc}") from exc
+        items = sum(len(options.get(k) or ()) for k in MEDIA_OPTIONS) + _media_parts(messages)
+        return len(self._encode(prompt or "")) + max(1, items) * self.tokens_per_media_item
+
+    async def _text_stream(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> AsyncIterator[TextOutput]:
+        ticket = await self._admit("text", len(prompt_ids), options, priority)
+        request_id: str | None = None
         finished = False
         try:
+            request_id = await self.text_engine.add_request(prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}")
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
                 yield out
         finally:
-            if not finished:  # client went away or the task was cancelled: free the row now
+            if request_id is not None and not finished:  # client went away or the task was cancelled
                 await self.text_engine.abort(request_id)
+            if ticket is not None:
+                ticket.release()
 
-    async def _text_result(self, prompt_ids: list[int], options: dict[str, Any]) -> Any:
+    async def _text_result(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> Any:
         last: TextOutput | None = None
-        async for out in self._text_stream(prompt_ids, options):
+        async for out in self._text_stream(prompt_ids, options, priority):
             last = out
         assert last is not None
         return to_generation_output(last, streaming=False)
 
+    async def _media_result(self, call: Any, tokens: int, options: dict[str, Any], priority: int) -> Any:
+        ticket = await self._admit("media", tokens, options, priority)
+        try:
+            return await _host_call(call())
+        finally:
+            if ticket is not None:
+                ticket.release()
+
+    async def _media_stream(self, stream: Any, tokens: int, options: dict[str, Any], priority: int) -> AsyncIterator[Any]:
+        ticket = await self._admit("media", tokens, options, priority)
+        try:
+            async for out in _host_stream(stream()):
+                yield out
+        finally:
+            if ticket is not None:
+                ticket.release()
+
     # -- the host's engine API ------------------------------------------------------------------
 
     async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        priority = int(kwargs.pop("priority", 0))
         messages = normalize_messages(messages)
         if self._route(messages, kwargs) != "text":
-            return await _host_call(self.wrapped.chat(messages=messages, **kwargs))
-        return await self._text_result(self._text_prompt(messages, kwargs), kwargs)
+            tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
+            return await self._media_result(lambda: self.wrapped.chat(messages=messages, **kwargs), tokens, kwargs, priority)
+        return await self._text_result(self._text_prompt(messages, kwargs), kwargs, priority)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
+        priority = int(kwargs.pop("priority", 0))
         messages = normalize_messages(messages)
         if self._route(messages, kwargs) != "text":
-            async for out in _host_stream(self.wrapped.stream_chat(messages=messages, **kwargs)):
+            tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
+            async for out in self._media_stream(lambda: self.wrapped.stream_chat(messages=messages, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._text_prompt(messages, kwargs), kwargs):
+        async for out in self._text_stream(self._text_prompt(messages, kwargs), kwargs, priority):
             yield to_generation_output(out, streaming=True)
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
+        priority = int(kwargs.pop("priority", 0))
         if self._route(None, kwargs) != "text":
-            return await _host_call(self.wrapped.generate(prompt=prompt, **kwargs))
-        return await self._text_result(self._encode(prompt), kwargs)
+            tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
+            return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
+        return await self._text_result(self._encode(prompt), kwargs, priority)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
+        priority = int(kwargs.pop("priority", 0))
         if self._route(None, kwargs) != "text":
-            async for out in _host_stream(self.wrapped.stream_generate(prompt=prompt, **kwargs)):
+            tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
+            async for out in self._media_stream(lambda: self.wrapped.stream_generate(prompt=prompt, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._encode(prompt), kwargs):
+        async for out in self._text_stream(self._encode(prompt), kwargs, priority):
             yield to_generation_output(out, streaming=True)
 
     def routing_stats(self) -> dict[str, Any]:
@@ -197,6 +253,8 @@ class RoutingEngine(EngineDecorator):
             stats["text_path_disabled_reason"] = self.disabled_reason
         if self.text_engine is not None:
             stats["text_engine"] = self.text_engine.stats()
+        if self.admission is not None:
+            stats["admission"] = self.admission.stats()
         return stats
 
 

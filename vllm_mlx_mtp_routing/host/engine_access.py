@@ -12,7 +12,9 @@ from vllm_mlx.engine.base import GenerationOutput
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
-__all__ = ["GenerationOutput", "clean_output_text", "disable_mllm_mtp", "render_chat_prompt", "scheduler_setting"]
+__all__ = [
+    "GenerationOutput", "clean_output_text", "disable_mllm_mtp", "render_chat_prompt", "scheduler_setting", "tokens_per_media_item",
+]
 
 
 def scheduler_setting(engine: Any, name: str, default: Any) -> Any:
@@ -42,3 +44,20 @@ def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dic
         chat_template_kwargs=dict(options.get("chat_template_kwargs") or {}),
         enable_thinking=options.get("enable_thinking"),
     )
+
+
+# A media item is projected at the processor's own bound, capped: an uncapped Qwen bound (16M pixels,
+# 16k tokens) would make every image request look like a long prompt to admission.
+MAX_TOKENS_PER_MEDIA_ITEM = 4096
+
+
+def tokens_per_media_item(engine: Any) -> int:
+    """Upper bound of the tokens one image expands to, from the host processor's image settings."""
+    image_processor = getattr(getattr(engine, "_processor", None), "image_processor", None)
+    size = getattr(image_processor, "size", None) or {}
+    longest = (size.get("longest_edge") if isinstance(size, dict) else None) or getattr(image_processor, "max_pixels", None)
+    patch = int(getattr(image_processor, "patch_size", 14) or 14)
+    merge = int(getattr(image_processor, "merge_size", 2) or 2)
+    if not longest:
+        return MAX_TOKENS_PER_MEDIA_ITEM
+    return max(1, min(MAX_TOKENS_PER_MEDIA_ITEM, int(longest) // (patch * merge) ** 2))

@@ -8,8 +8,6 @@ import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from fastapi import HTTPException
-
 from ..engine_decorator import EngineDecorator, innermost
 from ..errors import RequestRejected
 from ..hookspecs import GenerationRequest, ModelInfo
@@ -38,10 +36,6 @@ def model_info(host_engine: Any) -> ModelInfo | None:
     )
 
 
-def as_http_error(exc: RequestRejected) -> HTTPException:
-    return HTTPException(status_code=exc.status_code, detail=asgi.error_body(exc)["error"], headers=asgi.error_headers(exc) or None)
-
-
 class HookedEngine(EngineDecorator):
     _own_attrs = frozenset({"wrapped", "_pm"})
 
@@ -67,19 +61,15 @@ class HookedEngine(EngineDecorator):
         self._pm.hook.vllm_mlx_pre_generate(request=request)
         return request
 
+    # A RequestRejected raised here reaches the client through the exception handler that
+    # server_hooks installs: the same {"error": ...} body and Retry-After as a refused stream.
     async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-        try:
-            req = self._pre("chat", messages=messages, options=kwargs)
-            return await self.wrapped.chat(messages=req.messages, **req.options)
-        except RequestRejected as exc:
-            raise as_http_error(exc) from exc
+        req = self._pre("chat", messages=messages, options=kwargs)
+        return await self.wrapped.chat(messages=req.messages, **req.options)
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
-        try:
-            req = self._pre("generate", prompt=prompt, options=kwargs)
-            return await self.wrapped.generate(prompt=req.prompt, **req.options)
-        except RequestRejected as exc:
-            raise as_http_error(exc) from exc
+        req = self._pre("generate", prompt=prompt, options=kwargs)
+        return await self.wrapped.generate(prompt=req.prompt, **req.options)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
         async for out in self._stream("stream_chat", {"messages": messages}, kwargs):

@@ -1,0 +1,94 @@
+"""Admission through the real server: a burst is answered by complete streams or clean 503s, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_process import Server, png_data_url, serve
+from test_bridge_cli import run_cli
+
+pytestmark = pytest.mark.server
+
+BURST = 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    flags = (
+        "--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "2",
+        "--scheduler-max-queue", "2", "--scheduler-queue-timeout", "60", "--enable-metrics",
+    )
+    with serve(tiny_vlm_bf16, *flags, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> tuple[int, str, dict[str, str]]:
+    content: object = f"def function_{i}(x):"
+    if i % 6 == 0:  # some media requests: admission gates both paths
+        content = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": png_data_url((i * 10, 0, 0))}}]
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0, "stream": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        text = "".join([chunk async for chunk in response.aiter_text()])
+        return response.status_code, text, dict(response.headers)
+
+
+def admission_stats(server: Server) -> dict:
+    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["admission"]
+
+
+def test_burst_gets_complete_streams_or_503(server: Server) -> None:
+    async def burst() -> list[tuple[int, str, dict[str, str]]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
+            return await asyncio.gather(*(one_stream(client, server.model, i) for i in range(BURST)))
+
+    results = asyncio.run(burst())
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(200) >= 4  # two running plus two queued always get through
+    assert statuses.count(503) >= 1  # 24 at once over 2 running + 2 queued must overflow
+    for status, text, headers in results:
+        if status == 200:
+            assert text.rstrip().endswith("data: [DONE]")
+            assert '"finish_reason":"length"' in text.replace(" ", "") or '"finish_reason":"stop"' in text.replace(" ", "")
+            assert '"error"' not in text
+        else:
+            assert int(headers["retry-after"]) >= 1
+            assert json.loads(text)["error"]["code"] == 503
+
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    stats = admission_stats(server)
+    assert (stats["running"], stats["queued"], stats["reserved_bytes"]) == (0, 0, 0)
+    assert stats["rejected"] >= statuses.count(503)
+    assert stats["policy"] == "fifo"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "vllm_mlx_mtp_routing_admission" in metrics
+
+
+def test_bad_priority_header_is_400(server: Server) -> None:
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        headers={"X-Request-Priority": "high"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert "X-Request-Priority" in response.json()["error"]["message"]
+
+
+def test_impossible_headroom_exits_2_naming_flag(tiny_vlm_bf16: Path) -> None:
+    result = run_cli("serve", str(tiny_vlm_bf16), "--plugins", "mtp-routing", "--continuous-batching", "--mllm",
+                     "--scheduler-headroom-gb", "100000")
+    assert result.returncode == 2
+    assert "argument --scheduler-headroom-gb" in result.stderr
+
+
+def test_bad_policy_exits_2_naming_flag(tiny_vlm_bf16: Path) -> None:
+    result = run_cli("serve", str(tiny_vlm_bf16), "--plugins", "mtp-routing", "--scheduler-policy", "random")
+    assert result.returncode == 2
+    assert "argument --scheduler-policy" in result.stderr
