@@ -92,3 +92,31 @@ def test_bad_policy_exits_2_naming_flag(tiny_vlm_bf16: Path) -> None:
     result = run_cli("serve", str(tiny_vlm_bf16), "--plugins", "mtp-routing", "--scheduler-policy", "random")
     assert result.returncode == 2
     assert "argument --scheduler-policy" in result.stderr
+
+
+def test_long_prompt_burst_over_a_small_budget_queues_and_finishes(tiny_vlm_fp32: Path, tmp_path: Path) -> None:
+    from vllm_mlx_mtp_routing.admission import MemoryModel
+
+    prompt = "for item in collection:\n    total += process(item)\n" * 60
+    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "8", "--prefill-step-size", "256")
+    with serve(tiny_vlm_fp32, *flags, log_dir=tmp_path) as probe:
+        stats = admission_stats(probe)
+        prompt_tokens = httpx.post(f"{probe.url}/v1/chat/completions", timeout=120, json={
+            "model": probe.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    config = json.loads((tiny_vlm_fp32 / "config.json").read_text())
+    one = MemoryModel.from_model_config(config, prefill_step_size=256).project(prompt_tokens, 16)
+    # Room for one such request and a half: a burst of six must queue, not fail or abort.
+    budget = stats["baseline_bytes"] + int(1.6 * one)
+    headroom_gb = (stats["device_bytes"] - budget) / 2**30
+    with serve(tiny_vlm_fp32, *flags, "--scheduler-headroom-gb", f"{headroom_gb:.6f}", log_dir=tmp_path) as server:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
+                body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
+                return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(6)))
+
+        responses = asyncio.run(burst())
+        assert [r.status_code for r in responses] == [200] * 6, [r.text[:200] for r in responses]
+        assert all(r.json()["usage"]["completion_tokens"] == 16 for r in responses)
+        stats = admission_stats(server)
+        assert stats["queued_total"] >= 1 and stats["rejected"] == 0
+        assert (stats["running"], stats["queued"], stats["reserved_bytes"]) == (0, 0, 0)
