@@ -127,3 +127,23 @@ def test_stream_text_equals_non_stream(plugin_server: Server) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == chat_text(plugin_server, messages)
 
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(plugin_server: Server) -> None:
+    def body(seed: object) -> dict:
+        return {"model": plugin_server.model, "messages": [{"role": "user", "content": "def main():"}],
+                "max_tokens": 12, "temperature": 1.0, "seed": seed}
+
+    url = f"{plugin_server.url}/v1/chat/completions"
+    first = httpx.post(url, json=body(7), timeout=120).json()["choices"][0]["message"]["content"]
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            rs = await asyncio.gather(*(client.post(url, json=body(s)) for s in (7, 8, 7, 9)))
+            return [r.json()["choices"][0]["message"]["content"] for r in rs]
+
+    batch = asyncio.run(together())
+    assert batch[0] == batch[2] == first
+    assert len({first, batch[1], batch[3]}) > 1  # other seeds sample other text
+    bad = httpx.post(url, json=body("seven"), timeout=60)
+    assert bad.status_code == 400 and "seed" in bad.json()["error"]["message"]

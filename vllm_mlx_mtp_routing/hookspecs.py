@@ -58,7 +58,8 @@ class GenerationRequest:
     ``method`` is ``chat``, ``stream_chat``, ``generate`` or ``stream_generate``. For chat methods
     ``messages`` is set, for generate methods ``prompt``. ``options`` holds every other keyword the
     engine receives (max_tokens, temperature, tools, images, ...). ``headers`` are the HTTP request's
-    headers (lower-case names) when the request came through HTTP, else empty.
+    headers (lower-case names) and ``body`` its JSON body (including fields the host's request models
+    drop) when the request came through HTTP, else empty.
     """
 
     method: str
@@ -66,6 +67,7 @@ class GenerationRequest:
     prompt: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -134,13 +134,20 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
 
 @hookimpl
 def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
-    value = request.headers.get(PRIORITY_HEADER)
-    if value is None or not STATE.routing_active:
+    """Carry what the host's request models drop: the priority header and the OpenAI ``seed`` field."""
+    if not STATE.routing_active:
         return
-    try:
-        request.options["priority"] = int(value)
-    except ValueError:
-        raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is not None:
+        try:
+            request.options["priority"] = int(value)
+        except ValueError:
+            raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
+    seed = request.body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise RequestRejected(400, f"seed must be an integer, got {seed!r}")
+        request.options["seed"] = seed
 
 
 @hookimpl

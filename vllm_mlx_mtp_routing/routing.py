@@ -28,6 +28,8 @@ MEDIA_PART_TYPES = frozenset(
 )
 MEDIA_PART_KEYS = ("image_url", "input_image", "video_url", "input_audio", "audio_url")
 MEDIA_OPTIONS = ("images", "videos", "audio")
+# Options the plugin's pre-generation hook adds; the host's engine never sees them.
+PLUGIN_OPTIONS = ("priority", "seed")
 
 
 def _is_media_part(part: Any) -> bool:
@@ -212,39 +214,39 @@ class RoutingEngine(EngineDecorator):
     # -- the host's engine API ------------------------------------------------------------------
 
     async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-        priority = int(kwargs.pop("priority", 0))
+        plugin, priority = _split_plugin_options(kwargs)
         messages = normalize_messages(messages)
         if self._route(messages, kwargs) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.chat(messages=messages, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(self._text_prompt(messages, kwargs), kwargs, priority)
+        return await self._text_result(self._text_prompt(messages, kwargs), {**kwargs, **plugin}, priority)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
-        priority = int(kwargs.pop("priority", 0))
+        plugin, priority = _split_plugin_options(kwargs)
         messages = normalize_messages(messages)
         if self._route(messages, kwargs) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
             async for out in self._media_stream(lambda: self.wrapped.stream_chat(messages=messages, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._text_prompt(messages, kwargs), kwargs, priority):
+        async for out in self._text_stream(self._text_prompt(messages, kwargs), {**kwargs, **plugin}, priority):
             yield to_generation_output(out, streaming=True)
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
-        priority = int(kwargs.pop("priority", 0))
+        plugin, priority = _split_plugin_options(kwargs)
         if self._route(None, kwargs) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(self._encode(prompt), kwargs, priority)
+        return await self._text_result(self._encode(prompt), {**kwargs, **plugin}, priority)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
-        priority = int(kwargs.pop("priority", 0))
+        plugin, priority = _split_plugin_options(kwargs)
         if self._route(None, kwargs) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
             async for out in self._media_stream(lambda: self.wrapped.stream_generate(prompt=prompt, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._encode(prompt), kwargs, priority):
+        async for out in self._text_stream(self._encode(prompt), {**kwargs, **plugin}, priority):
             yield to_generation_output(out, streaming=True)
 
     def routing_stats(self) -> dict[str, Any]:
@@ -256,6 +258,12 @@ class RoutingEngine(EngineDecorator):
         if self.admission is not None:
             stats["admission"] = self.admission.stats()
         return stats
+
+
+def _split_plugin_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Take the plugin-only options out of the host's kwargs (in place); return them and the priority."""
+    plugin = {k: kwargs.pop(k) for k in PLUGIN_OPTIONS if k in kwargs}
+    return plugin, int(plugin.get("priority", 0))
 
 
 def _is_template_error(exc: BaseException) -> bool:

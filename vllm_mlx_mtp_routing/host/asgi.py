@@ -27,6 +27,7 @@ Send = Callable[[Message], Awaitable[None]]
 @dataclass
 class RequestContext:
     headers: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)  # the JSON body, fields the host's models drop included
     engine_started: bool = False
     rejection: RequestRejected | None = None
 
@@ -59,11 +60,38 @@ class PluginRequestMiddleware:
         token = CURRENT.set(ctx)
         try:
             if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
-                await self.app(scope, receive, _HoldingSend(send, ctx))
+                await self.app(scope, _BodyTap(receive, ctx), _HoldingSend(send, ctx))
             else:
                 await self.app(scope, receive, send)
         finally:
             CURRENT.reset(token)
+
+
+class _BodyTap:
+    """Passes the request body through unchanged and keeps its JSON for pre-generation hooks."""
+
+    MAX_BYTES = 64 * 2**20
+
+    def __init__(self, receive: Any, ctx: RequestContext) -> None:
+        self._receive = receive
+        self._ctx = ctx
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    async def __call__(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.request" and self._size <= self.MAX_BYTES:
+            chunk = message.get("body", b"")
+            self._chunks.append(chunk)
+            self._size += len(chunk)
+            if not message.get("more_body", False) and self._size <= self.MAX_BYTES:
+                try:
+                    body = json.loads(b"".join(self._chunks) or b"{}")
+                except ValueError:
+                    body = None  # the host answers malformed JSON itself
+                self._ctx.body = body if isinstance(body, dict) else {}
+                self._chunks = []
+        return message
 
 
 class _HoldingSend:

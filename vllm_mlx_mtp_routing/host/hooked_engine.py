@@ -57,7 +57,7 @@ class HookedEngine(EngineDecorator):
 
     def _pre(self, method: str, **fields: Any) -> GenerationRequest:
         ctx = asgi.current()
-        request = GenerationRequest(method=method, headers=dict(ctx.headers) if ctx else {}, **fields)
+        request = GenerationRequest(method=method, headers=dict(ctx.headers) if ctx else {}, body=dict(ctx.body) if ctx else {}, **fields)
         self._pm.hook.vllm_mlx_pre_generate(request=request)
         return request
 
