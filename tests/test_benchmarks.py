@@ -1,0 +1,71 @@
+"""benchmarks/: step costs on CPU, the serving benchmark's arithmetic, and one --quick run of it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import serve_bench as SB  # noqa: E402
+import step_costs as SC  # noqa: E402
+
+
+def test_step_costs_tiny_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "sc.json"
+    SC.main(["--preset", "tiny", "--batches", "1,2", "--context", "8", "--warmup", "1", "--iters", "2",
+             "--acceptance", "0.8,0.5", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["t1_ms"] > 0 and r["t2_ms"] > 0 and r["tm_ms"] > 0
+        assert r["projected_mtp_speedup"] == pytest.approx(1.8 * r["t1_ms"] / (r["t2_ms"] + r["tm_ms"]))
+        assert set(r["projected_by_acceptance"]) == {"0.8000", "0.5000"}
+
+
+def test_projection_breakeven() -> None:
+    (row,) = SC.project([{"batch": 1, "t1_ms": 10.0, "t2_ms": 15.0, "tm_ms": 1.0}], [0.6])
+    assert row["projected_mtp_speedup"] == pytest.approx(1.0)
+    assert row["breakeven_acceptance"] == pytest.approx(0.6)
+
+
+def _result(path: str, tokens: int, ttft: float, total: float) -> SB.Result:
+    return SB.Result(path=path, ok=True, tokens=tokens, ttft=ttft, total=total)
+
+
+def test_summary_and_ratios() -> None:
+    res = [_result("text", 11, 0.1, 1.1), _result("text", 21, 0.2, 2.2), SB.Result("text", ok=False, error="x")]
+    s = SB.summarize(res, wall=2.0)
+    assert s["completion_tokens"] == 32 and s["errors"] == 1
+    assert s["aggregate_tok_s"] == pytest.approx(16.0)
+    assert s["decode_tok_s_per_request_mean"] == pytest.approx(10.0)  # (11-1)/1.0 and (21-1)/2.0
+    assert s["ttft_p50_s"] == pytest.approx(0.15)
+    host = {"text": {"1": s}}
+    plugin = {"text": {"1": {**s, "aggregate_tok_s": 32.0, "decode_tok_s_per_request_mean": 25.0}}}
+    r = SB.ratios(host, plugin)["text"]["1"]
+    assert r["aggregate_tok_s"] == pytest.approx(2.0) and r["decode_tok_s_per_request"] == pytest.approx(2.5)
+
+
+def test_find_acceptance_nested() -> None:
+    status = {"mtp": {"enabled": False}, "plugins": {"mtp-routing": {"text_engine": {"mtp_acceptance": 0.8}}}}
+    assert SB.find_acceptance(status) == {"plugins.mtp-routing.text_engine.mtp_acceptance": 0.8}
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The one-command benchmark against the real server, host and plugin, tiny random model."""
+    rc = SB.main(["--quick", "--out-dir", str(tmp_path), "--concurrency", "1,2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads(last)
+    assert rc == 0
+    assert [c["name"] for c in report["configs"]] == ["host", "plugin"]
+    for cfg in report["configs"]:
+        assert all(s["errors"] == 0 and s["completion_tokens"] > 0 for s in cfg["text"].values())
+        assert cfg["mixed"]["media"]["requests"] >= 1
+    assert set(report["ratios"]["text"]) == {"1", "2"}
+    assert (tmp_path / "serve_bench_quick.md").read_text().count("| plugin |") >= 2
