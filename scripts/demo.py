@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
-from server_process import png_data_url, serve  # noqa: E402
-
+from vllm_mlx_mtp_routing.testing.server import png_data_url, serve  # noqa: E402
 from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm  # noqa: E402
 
 

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -24,7 +23,7 @@ from types import ModuleType
 import httpx
 import pytest
 
-from server_process import Server, free_port
+from vllm_mlx_mtp_routing.testing.server import Server, serve
 
 PINNED_VERSION = "0.6.0"
 PATCH = Path(__file__).resolve().parents[1] / "patches" / f"vllm-mlx-{PINNED_VERSION}-plugin-hooks.patch"
@@ -185,34 +184,9 @@ def test_our_flag_error_exits_2(patched_host: Path, refuser_dir: Path) -> None:
     assert "error: argument --refuser-limit: cannot exceed 10" in result.stderr
 
 
-@contextlib.contextmanager
-def serve_patched(host: Path, model: Path, *flags: str, extra: Path, log_dir: Path, startup_timeout: float = 120.0) -> Iterator[Server]:
-    """``tests/server_process.serve``, but the stock entry point of the patched copy."""
-    port = free_port()
-    log_path = log_dir / f"patched-server-{port}.log"
-    cmd = [sys.executable, "-c", CLI, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=host_env(host, extra))
-    server = Server(url=f"http://127.0.0.1:{port}", model=str(model), proc=proc, log_path=log_path)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start in {startup_timeout}s:\n{server.log()[-4000:]}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def serve_patched(host: Path, model: Path, *flags: str, extra: Path, log_dir: Path) -> contextlib.AbstractContextManager[Server]:
+    """The shared server helper, started through the stock entry point of the patched copy."""
+    return serve(model, *flags, log_dir=log_dir, env=host_env(host, extra), command=[sys.executable, "-c", CLI])
 
 
 @pytest.fixture(scope="module")

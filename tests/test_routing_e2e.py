@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import Server, png_data_url, serve
+from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve
 
 pytestmark = pytest.mark.server
 

@@ -364,7 +364,6 @@ def cmd_train(a) -> None:
         i += 1
         if i == 1:
             t_first = time.perf_counter() - t0
-            t1 = time.perf_counter()
         if not probe_done and i == a.probe_start:
             t_probe = time.perf_counter()
         if not probe_done and i == a.probe_start + a.probe_steps:

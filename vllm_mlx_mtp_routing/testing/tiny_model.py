@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tokenizer_builder import SPECIAL_TOKENS, build_tokenizer, copy_tokenizer, tokenizer_info
+from .tokenizer_builder import SPECIAL_TOKENS, build_tokenizer, copy_tokenizer
 
 logger = logging.getLogger(__name__)
 

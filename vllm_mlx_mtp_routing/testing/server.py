@@ -1,4 +1,4 @@
-"""The real ``vllm-mlx serve`` in a subprocess on 127.0.0.1, for end-to-end tests."""
+"""The real ``vllm-mlx serve`` in a subprocess on 127.0.0.1, for end-to-end tests, the demo and benchmarks."""
 
 from __future__ import annotations
 
@@ -38,10 +38,19 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model: Path, *flags: str, log_dir: Path, startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> Iterator[Server]:
+def serve(
+    model: Path,
+    *flags: str,
+    log_dir: Path,
+    startup_timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    command: list[str] | None = None,
+) -> Iterator[Server]:
+    """``command`` replaces the ``vllm-mlx`` console script (e.g. ``[python, "-c", launcher]``);
+    ``env`` is merged over this process's environment."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    cmd = [VLLM_MLX, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
+    cmd = [*(command or [VLLM_MLX]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=full_env)
