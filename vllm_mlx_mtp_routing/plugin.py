@@ -61,6 +61,7 @@ def vllm_mlx_wrap_engine(engine: Any, context: EngineContext) -> Any:
         return None
     settings = RoutingSettings(
         enable_mtp=bool(engine_access.scheduler_setting(engine, "enable_mtp", False)),
+        mtp_num_draft_tokens=int(engine_access.scheduler_setting(engine, "mtp_num_draft_tokens", 1) or 1),
         max_num_seqs=int(engine_access.scheduler_setting(engine, "max_num_seqs", 16)),
         prefill_step_size=int(engine_access.scheduler_setting(engine, "prefill_step_size", 2048)),
     )
@@ -122,12 +123,21 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     except TextModelUnavailable as exc:
         router.disable_text_path(str(exc))
         return None
+    if bundle.mtp is not None:
+        from .text_engine.mtp_decode import MTPDecode
+
+        router.mtp_decode = MTPDecode(bundle.mtp, k=router.settings.mtp_num_draft_tokens)
+        logger.info("mtp-routing: MTP speculative decoding on the text path, k=%d, per-row acceptance, adaptive",
+                    router.settings.mtp_num_draft_tokens)
+    elif router.settings.enable_mtp:
+        logger.info("mtp-routing: --enable-mtp, but the text path runs without MTP: %s", bundle.mtp_unavailable_reason)
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
         max_num_seqs=router.settings.max_num_seqs,
         prefill_step_size=router.settings.prefill_step_size,
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
+        decode=router.mtp_decode,
     )
     return router.start_text_path(text_engine)
 

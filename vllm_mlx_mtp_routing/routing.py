@@ -92,6 +92,7 @@ def to_generation_output(out: TextOutput, *, streaming: bool) -> Any:
 @dataclass
 class RoutingSettings:
     enable_mtp: bool = False
+    mtp_num_draft_tokens: int = 1
     max_num_seqs: int = 16
     prefill_step_size: int = 2048
 
@@ -100,7 +101,7 @@ class RoutingEngine(EngineDecorator):
     """Decorates the host's BatchedEngine; the host engine keeps doing what it does."""
 
     _own_attrs = frozenset(
-        {"wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission", "tokens_per_media_item"}
+        {"wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission", "tokens_per_media_item", "mtp_decode"}
     )
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -112,6 +113,7 @@ class RoutingEngine(EngineDecorator):
         self.disabled_reason: str | None = "model not loaded yet"
         self.admission: Any = None  # an admission.AdmissionController once the model is loaded
         self.tokens_per_media_item = 0
+        self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info("MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings); text requests get MTP")
 
@@ -257,6 +259,7 @@ class RoutingEngine(EngineDecorator):
             stats["text_engine"] = self.text_engine.stats()
         if self.admission is not None:
             stats["admission"] = self.admission.stats()
+        stats["mtp"] = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}
         return stats
 
 

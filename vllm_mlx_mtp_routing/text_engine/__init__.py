@@ -4,6 +4,7 @@ from .batch import BatchScheduler, TextRequest
 from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult, DecodeStrategy, SingleTokenDecode
 from .engine import TextEngine, TextEngineError
+from .mtp_decode import MTPDecode
 from .outputs import TextOutput
 from .sampling import SamplingOptions
 
@@ -12,6 +13,7 @@ __all__ = [
     "BatchScheduler",
     "DecodeResult",
     "DecodeStrategy",
+    "MTPDecode",
     "RaggedKVCache",
     "SamplingOptions",
     "SingleTokenDecode",

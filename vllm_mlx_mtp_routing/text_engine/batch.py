@@ -293,4 +293,5 @@ class BatchScheduler:
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "cache_bytes": self.cache.nbytes,
+            **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
         }

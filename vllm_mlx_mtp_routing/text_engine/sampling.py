@@ -59,25 +59,32 @@ class RowSampler:
         self._key, sub = mx.random.split(self._key)
         return sub
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """Sample one token id from a 1-D row of logits (not for greedy rows)."""
+    def process(self, logits: mx.array) -> mx.array:
+        """Logits over the last axis after temperature, top-k, top-p and min-p (filtered: -inf).
+
+        The distribution ``sample`` draws from; speculative decoding compares drafts against it.
+        """
         o = self.options
         x = logits.astype(mx.float32) * (1.0 / o.temperature)
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
         if 0 < o.top_k < x.shape[-1]:
-            kth = mx.sort(x)[-o.top_k]
+            kth = mx.sort(x, axis=-1)[..., -o.top_k : -o.top_k + 1 or None]
             x = mx.where(x >= kth, x, neg_inf)
         if o.top_p < 1.0:
-            order = mx.argsort(-x)
-            p_sorted = mx.softmax(x[order])
+            order = mx.argsort(-x, axis=-1)
+            p_sorted = mx.softmax(mx.take_along_axis(x, order, axis=-1), axis=-1)
             # A token stays if the mass strictly before it is below top_p (the top one always stays).
-            keep_sorted = (mx.cumsum(p_sorted) - p_sorted) < o.top_p
-            keep = keep_sorted[mx.argsort(order)]
+            keep_sorted = (mx.cumsum(p_sorted, axis=-1) - p_sorted) < o.top_p
+            keep = mx.take_along_axis(keep_sorted, mx.argsort(order, axis=-1), axis=-1)
             x = mx.where(keep, x, neg_inf)
         if o.min_p > 0.0:
-            probs = mx.softmax(x)
-            x = mx.where(probs >= o.min_p * probs.max(), x, neg_inf)
-        return mx.random.categorical(x, key=self.next_key())
+            probs = mx.softmax(x, axis=-1)
+            x = mx.where(probs >= o.min_p * probs.max(axis=-1, keepdims=True), x, neg_inf)
+        return x
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """Sample one token id from a 1-D row of logits (not for greedy rows)."""
+        return mx.random.categorical(self.process(logits), key=self.next_key())
 
 
 def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:

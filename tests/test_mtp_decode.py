@@ -1,0 +1,335 @@
+"""Batched MTP speculative decoding (text_engine.mtp_decode) on the fp32 tiny Qwen3.5.
+
+Random weights accept ~0% of the head's drafts, so acceptance is forced with a draft hook that
+proposes the true greedy continuation (from a plain run) with a planned number of correct leading
+drafts per row and step, the rest corrupted: rows accept and reject at different steps, and each
+row must advance by exactly its own planned count while the output stays token-for-token equal
+to decoding without MTP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
+from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, speculative_row
+from vllm_mlx_mtp_routing.text_model import build_text_model
+
+PREFILL = 16
+LENGTHS = [1, 5, 17, 40]  # a one-token prompt (no head pair at its first step), chunked prompts
+MAX_TOKENS = [14, 11, 16, 12]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_vlm_fp32):
+    from mlx_vlm import load
+
+    vlm, processor = load(str(tiny_vlm_fp32))
+    bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
+    assert bundle.mtp is not None
+    return bundle, processor.tokenizer
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 3000, size=n).tolist() for n in lengths]
+
+
+def run(bundle, tok, jobs, decode=None, max_num_seqs=8):
+    """jobs: [(arrival_step, prompt, options)] -> ({index: final TextOutput}, scheduler)."""
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=max_num_seqs, prefill_step_size=PREFILL, decode=decode)
+    pending = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
+    finals, step = {}, 0
+    while pending or sched.has_work():
+        while pending and jobs[pending[0]][0] <= step:
+            i = pending.pop(0)
+            sched.add(TextRequest(str(i), jobs[i][1], jobs[i][2]))
+        for out in sched.step():
+            if out.finished:
+                finals[int(out.request_id)] = out
+        step += 1
+    return finals, sched
+
+
+class Oracle:
+    """Draft hook: row with prompt i, at its n-th draft, proposes plan(i, n) true tokens then
+    corrupted ones. Records the planned count per row of the current step."""
+
+    def __init__(self, prompts, truths, k, vocab, plan):
+        self.prompts, self.truths, self.k, self.vocab, self.plan = prompts, truths, k, vocab, plan
+        self.calls = [0] * len(prompts)
+        self.planned: list[int | None] = []
+        self.proposals: dict[tuple[int, int, int], int] = {}  # (prompt, position, j) -> head's draft
+
+    def which(self, history):
+        return max((i for i, p in enumerate(self.prompts) if history[: len(p)] == p),
+                   key=lambda i: len(self.prompts[i]))
+
+    def __call__(self, histories, drafts):
+        out, self.planned = [], []
+        for h, d in zip(histories, drafts):
+            if d is None:
+                out.append(None)
+                self.planned.append(None)
+                continue
+            i = self.which(h)
+            for j, t in enumerate(d):
+                self.proposals[(i, len(h) + j, j)] = t
+            truth = self.truths[i][len(h) : len(h) + self.k]
+            good = self.plan(i, self.calls[i])
+            self.calls[i] += 1
+            truth = truth + [0] * (self.k - len(truth))
+            out.append(truth[:good] + [(t + 1) % self.vocab for t in truth[good:]])
+            self.planned.append(good if len(self.truths[i]) >= len(h) + self.k else None)
+        return out
+
+
+class Recording(MTPDecode):
+    def __init__(self, *a, oracle=None, **kw):
+        super().__init__(*a, draft_hook=oracle, **kw)
+        self.oracle = oracle
+        self.log = []
+
+    def step(self, model, cache, inputs, samplers):
+        if self.oracle is not None:
+            self.oracle.planned = []
+        res = super().step(model, cache, inputs, samplers)
+        self.log.append((list(self.oracle.planned) if self.oracle else [], res))
+        return res
+
+
+def _plain(bundle, tok, prompts, max_tokens):
+    jobs = [(0, p, SamplingOptions(max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+    finals, _ = run(bundle, tok, jobs)
+    return [finals[i].token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_plain_with_per_row_acceptance(tiny, k):
+    bundle, tok = tiny
+    prompts = _prompts(LENGTHS)
+    ref = _plain(bundle, tok, prompts, MAX_TOKENS)
+    truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [m + k + 1 for m in MAX_TOKENS]))]
+    vocab = bundle.model.args.vocab_size
+
+    table = np.random.default_rng(k).integers(0, k + 1, size=(4, 64))  # accepted drafts per row/call
+
+    def plan(i, n):
+        return int(table[i, n])
+
+    for arrivals in ([0, 0, 0, 0], [0, 2, 3, 5]):  # all at once; joining mid-decode
+        oracle = Oracle(prompts, truths, k, vocab, plan)
+        decode = Recording(bundle.mtp, k=k, adaptive=False, oracle=oracle)
+        jobs = [(a, p, SamplingOptions(max_tokens=m)) for a, p, m in zip(arrivals, prompts, MAX_TOKENS)]
+        finals, _ = run(bundle, tok, jobs, decode)
+        assert [finals[i].token_ids for i in range(4)] == ref
+
+        mixed_steps = 0
+        for planned, res in decode.log:
+            for i, toks in enumerate(res.tokens):
+                assert len(toks) == res.accepted[i] + 1  # each row advances by its own count
+                if planned and planned[i] is not None:
+                    assert res.accepted[i] == planned[i]
+            drafting = [a for a, d in zip(res.accepted, res.drafted) if d]
+            mixed_steps += len(set(drafting)) > 1
+        assert mixed_steps >= 2  # rows accepted different counts within one step
+        s = decode.stats()
+        assert s["accepted"] > 0 and s["drafted"] == sum(f.mtp_drafted for f in finals.values())
+        assert s["accepted"] >= sum(f.mtp_accepted for f in finals.values()) > 0
+        assert 0 < s["acceptance_rate"] < 1 and s["steps_with_mtp"] > 0
+
+
+def test_alone_equals_plain_all_accepted(tiny):
+    bundle, tok = tiny
+    prompt = _prompts([9], seed=3)[0]
+    ref = _plain(bundle, tok, [prompt], [20])
+    truths = [prompt + _plain(bundle, tok, [prompt], [24])[0]]
+    oracle = Oracle([prompt], truths, 2, bundle.model.args.vocab_size, lambda i, n: 2)
+    decode = Recording(bundle.mtp, k=2, adaptive=False, oracle=oracle)
+    finals, sched = run(bundle, tok, [(0, prompt, SamplingOptions(max_tokens=20))], decode)
+    assert finals[0].token_ids == ref[0]
+    assert sched.stats()["steps"] <= 8  # 3 tokens per step instead of 1
+
+
+def test_head_drafts_match_batch1_reference(tiny):
+    """The head's batched ragged cache holds the same pairs as the batch-1 reference: its draft
+    for each position equals mtp_greedy_generate's (k = 2, with acceptance forced in both)."""
+    bundle, tok = tiny
+    k = 2
+    prompts = _prompts([6, 13, 21], seed=5)
+    truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [20, 20, 20]))]
+    oracle = Oracle(prompts, truths, k, bundle.model.args.vocab_size, lambda i, n: (n + i) % (k + 1))
+    decode = Recording(bundle.mtp, k=k, adaptive=False, oracle=oracle)
+    run(bundle, tok, [(0, p, SamplingOptions(max_tokens=15)) for p in prompts], decode)
+
+    class ForcedDrafter:  # the real head (its cache, its proposal recorded), the oracle's tokens
+        def __init__(self, i):
+            self.i, self.n, self.proposals = i, 0, {}
+
+        def make_cache(self):
+            return bundle.mtp.make_cache()
+
+        def draft(self, hidden, tokens, cache, k=1):
+            d = bundle.mtp.draft(hidden, tokens, cache, k)[0].tolist()
+            pos = cache[0].offset + 1  # the first draft's position in the token sequence
+            self.proposals.update({(self.i, pos + j, j): t for j, t in enumerate(d)})
+            truth = truths[self.i][pos : pos + k]
+            good = (self.n + self.i + 1) % (k + 1)
+            self.n += 1
+            return mx.array([truth[:good] + [(t + 1) % 4096 for t in truth[good:]]])
+
+    compared = 0
+    for i, p in enumerate(prompts):
+        drafter = ForcedDrafter(i)
+        mtp_greedy_generate(bundle.model, drafter, p, 15, k=k, hidden_state_mode=bundle.hidden_state_mode)
+        common = drafter.proposals.keys() & oracle.proposals.keys()
+        assert all(drafter.proposals[c] == oracle.proposals[c] for c in common)
+        compared += len(common)
+    assert compared >= 15
+
+
+def test_all_or_nothing_clamps_rows_and_stays_exact(tiny):
+    bundle, tok = tiny
+    prompts = _prompts(LENGTHS)
+    ref = _plain(bundle, tok, prompts, MAX_TOKENS)
+    truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [m + 3 for m in MAX_TOKENS]))]
+    oracle = Oracle(prompts, truths, 1, bundle.model.args.vocab_size, lambda i, n: int(i != 2 or n % 2))
+    decode = Recording(bundle.mtp, k=1, adaptive=False, per_row_acceptance=False, oracle=oracle)
+    finals, _ = run(bundle, tok, [(0, p, SamplingOptions(max_tokens=m)) for p, m in zip(prompts, MAX_TOKENS)], decode)
+    assert [finals[i].token_ids for i in range(4)] == ref
+    for _, res in decode.log:
+        assert len({a for a, d in zip(res.accepted, res.drafted) if d}) <= 1
+
+
+def test_adaptive_falls_back_when_drafts_are_rejected(tiny):
+    """Random weights accept ~nothing: rows stop drafting (probing now and then), output unchanged."""
+    bundle, tok = tiny
+    prompts = _prompts([7, 12], seed=9)
+    ref = _plain(bundle, tok, prompts, [40, 40])
+    decode = MTPDecode(bundle.mtp, k=1, adaptive=True, probe_every=8, explore_every=10**9)
+    finals, _ = run(bundle, tok, [(0, p, SamplingOptions(max_tokens=40)) for p in prompts], decode)
+    assert [finals[i].token_ids for i in range(2)] == ref
+    s = decode.stats()
+    assert s["steps_without_mtp"] > s["steps_with_mtp"] > 0
+    assert MTPDecode(bundle.mtp, k=1, max_batch_size=1)._plan_k(2) == 0
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def _chi2_sf(x: float, df: int) -> float:
+    """P(chi2_df > x): the regularized upper incomplete gamma Q(df/2, x/2) (no scipy here)."""
+    a, x = df / 2.0, x / 2.0
+    if x <= 0:
+        return 1.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:  # series for P, then Q = 1 - P
+        term = total = 1.0 / a
+        n = a
+        while term > total * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    b, c, d = x + 1 - a, 1e300, 1.0 / (x + 1 - a)  # Lentz continued fraction for Q
+    h = d
+    for i in range(1, 500):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+        c = b + an / c
+        c = c if abs(c) > 1e-300 else 1e-300
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token outside the target's support was sampled"
+    exp = probs[keep] / probs[keep].sum() * counts.sum()
+    stat = float(((counts[keep] - exp) ** 2 / exp).sum())
+    return _chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def test_speculative_row_preserves_the_target_distribution():
+    """Accept/resample leaves exactly p: 3000 fixed seeds, chi-square p-value > 1e-3."""
+    p_logits = mx.log(mx.array([[0.5, 0.2, 0.15, 0.1, 0.05, 0.0], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]]))
+    q = mx.array([[0.05, 0.05, 0.1, 0.2, 0.3, 0.3]])
+    rng = np.random.default_rng(0)
+    n = 3000
+    firsts = []
+    for s in range(n):
+        d = int(rng.choice(6, p=np.array(q[0])))
+        key = mx.random.key(s)
+        ka, kc = mx.random.split(key)
+        acc, cands = speculative_row(p_logits, q, mx.array([d]), ka, kc)
+        firsts.append(mx.where(acc[0], d, cands[0]))
+    counts = np.bincount(np.array(mx.stack(firsts)), minlength=6)
+    assert _chi2_pvalue(counts, np.array(mx.softmax(p_logits[0]))) > 1e-3
+
+
+def _first_two_exact(bundle, prompt, options):
+    """The exact joint distribution of the first two sampled tokens (top-k keeps it small)."""
+    from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler
+
+    s = RowSampler(options)
+    logits = bundle.model(mx.array([prompt]))[0, -1]
+    p1 = np.array(mx.softmax(s.process(logits)))
+    joint = {}
+    for t1 in np.nonzero(p1)[0]:
+        l2 = bundle.model(mx.array([prompt + [int(t1)]]))[0, -1]
+        p2 = np.array(mx.softmax(s.process(l2)))
+        for t2 in np.nonzero(p2)[0]:
+            joint[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    return joint
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampling_with_mtp_matches_the_target_distribution(tiny, k):
+    """First two tokens at temperature 0.8, top-k 3: 360 requests (seeds 0..359) with MTP, drafts
+    forced to the greedy continuation (accepted with prob p(d)) for half the rows and the head's own
+    sampled drafts for the rest; chi-square against the exact joint, p-value > 1e-3."""
+    bundle, tok = tiny
+    prompt = _prompts([6], seed=11)[0]
+    truth = prompt + _plain(bundle, tok, [prompt], [6])[0]
+    n = 360
+    jobs = [(0, prompt, SamplingOptions(max_tokens=2, temperature=0.8, top_k=3, seed=s)) for s in range(n)]
+
+    def hook(histories, drafts):  # even rows: the greedy continuation; odd rows: the head's drafts
+        return [None if d is None else (truth[len(h) : len(h) + k] if i % 2 == 0 else d)
+                for i, (h, d) in enumerate(zip(histories, drafts))]
+
+    decode = MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=hook)
+    finals, _ = run(bundle, tok, jobs, decode, max_num_seqs=n)
+    joint = _first_two_exact(bundle, prompt, jobs[0][2])
+    cells = sorted(joint)
+    counts = np.zeros(len(cells))
+    for f in finals.values():
+        counts[cells.index(tuple(f.token_ids))] += 1
+    assert _chi2_pvalue(counts, np.array([joint[c] for c in cells])) > 1e-3
+    s = decode.stats()
+    assert 0.1 < s["acceptance_rate"] < 0.9  # both accept and resample paths ran
+
+
+def test_seeded_requests_reproduce_alone_and_batched(tiny):
+    bundle, tok = tiny
+    prompts = _prompts([5, 18, 2], seed=2)
+    opts = [SamplingOptions(max_tokens=10, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(3)]
+
+    def go(jobs):
+        finals, _ = run(bundle, tok, jobs, MTPDecode(bundle.mtp, k=2, adaptive=False))
+        return {i: f.token_ids for i, f in finals.items()}
+
+    batched = go([(0, p, o) for p, o in zip(prompts, opts)])
+    assert batched == go([(0, p, o) for p, o in zip(prompts, opts)])
+    for i, (p, o) in enumerate(zip(prompts, opts)):
+        assert go([(0, p, o)])[0] == batched[i]

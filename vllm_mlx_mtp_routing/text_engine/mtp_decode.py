@@ -1,0 +1,574 @@
+"""Batched MTP speculative decoding with per-row acceptance (a ``DecodeStrategy``).
+
+One step for a batch of B rows, each row i holding its prompt and generated tokens up to the
+token x_i it feeds next:
+
+1. draft: the MTP head takes, per row, the (backbone hidden, token) pairs verified since its last
+   draft (one forward for the batch, rows padded to the longest and trimmed back: the head's
+   attention cache is a ``RaggedKVCache``), and proposes k tokens per row, recursively as in
+   ``MTPHead.draft`` (argmax for greedy rows, sampled from the row's processed distribution q for
+   the others);
+2. verify: ONE backbone forward of [x_i, d_i1..d_ik] for the whole batch. The gated-delta layers
+   keep their recurrent state after every position (the per-token recurrence runs as a loop
+   anyway on CPU/CUDA; nothing is recomputed) and the conv window input;
+3. accept, per row: greedy rows take the longest prefix of drafts equal to the backbone's argmax;
+   sampled rows run speculative sampling (accept d with prob min(1, p(d)/q(d)), else resample from
+   norm(max(p - q, 0)); the bonus token from p after the last accepted draft). Row i emits
+   1 + a_i tokens;
+4. roll back, per row: attention KV by ``RaggedKVCache.trim_rows``, gated-delta recurrent and conv
+   state by selecting position a_i's captured state per row.
+
+Rows that do not draft this step (no pairs yet, low recent acceptance, at most one token left)
+feed [x_i, x_i, ...]: the padding is computed and discarded and rolled back like a rejected
+draft, so rows with and without drafts share one forward. When no row drafts, the step is a plain
+[B, 1] decode (its hidden states are kept as pending pairs; the head catches up when drafting
+resumes, or every ``flush_after`` tokens).
+
+Adaptivity (``adaptive=True``): per row, drafting pauses while the row's recent acceptance (an
+EMA) is below ``min_row_acceptance``, probing again every ``probe_every`` steps; per step, the
+number of drafts (0..k) is chosen by measured throughput (the median seconds per emitted token of
+the last steps with that choice, per batch-size bucket; every ``explore_every`` steps the least
+recently tried choice runs, so all estimates stay current; near a tie (``margin``) plain decoding
+wins), so MTP is used only where it pays on this machine and model. ``max_batch_size`` turns
+drafting off above a batch size outright.
+
+Seeds: every random number comes from the row's own ``RowSampler`` key stream, a fixed number of
+keys per step for a given draft count, so a seeded request reproduces given the same drafting
+decisions. A row that never drafts consumes keys exactly as ``SingleTokenDecode`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.gated_delta import gated_delta_update
+
+from ..mtp import MTPHead, lm_head
+from .batch_cache import BatchCache, RaggedKVCache
+from .decode import DecodeResult
+from .sampling import RowSampler
+
+logger = logging.getLogger(__name__)
+
+# (histories, drafts) -> drafts. histories[i]: row i's prompt + generated tokens (its last token
+# is the one it feeds now); drafts[i]: the head's k drafts, or None for a row not drafting. A hook
+# replaces the drafter (tests and benchmarks force acceptance with it); a row whose drafts it
+# changes counts them as deterministic (q = one-hot), which keeps sampling exact for any proposal.
+DraftHook = Callable[[list[list[int]], list[list[int] | None]], list[list[int] | None]]
+
+
+# --------------------------------------------------------------------------------------------
+# Backbone forward with per-position gated-delta states
+# --------------------------------------------------------------------------------------------
+
+
+def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """mlx-lm 0.31.3 ``GatedDeltaNet.__call__`` (unmasked, unsharded), also returning the conv
+    window input and the recurrent state after every position.
+
+    The recurrence runs one position per ``gated_delta_update`` call: on CPU and CUDA mlx-lm runs
+    it as this very loop of compiled single steps (``gated_delta_ops``), so the capture costs no
+    extra compute there; on Metal it is S launches of the fused kernel instead of one.
+    """
+    B, S, _ = x.shape
+    qkv = lin.in_proj_qkv(x)
+    z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
+    b = lin.in_proj_b(x)
+    a = lin.in_proj_a(x)
+    n_keep = lin.conv_kernel_size - 1
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(lin.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [lin.key_dim, 2 * lin.key_dim], -1),
+            [lin.num_k_heads, lin.num_k_heads, lin.num_v_heads],
+            [lin.head_k_dim, lin.head_k_dim, lin.head_v_dim],
+        )
+    ]
+    inv_scale = k.shape[-1] ** -0.5
+    q = (inv_scale**2) * mx.fast.rms_norm(q, None, 1e-6)
+    k = inv_scale * mx.fast.rms_norm(k, None, 1e-6)
+    state = cache[1]
+    ys, states = [], []
+    for t in range(S):
+        s = slice(t, t + 1)
+        y, state = gated_delta_update(
+            q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], lin.A_log, lin.dt_bias, state,
+            None, use_kernel=not lin.training,
+        )
+        ys.append(y)
+        states.append(state)
+    cache[1] = state
+    out = lin.norm(mx.concatenate(ys, axis=1), z)
+    return lin.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+@dataclass
+class _Captured:
+    cache: Any  # the layer's ArraysCache
+    conv_input: mx.array  # [B, n_keep + S, C]
+    states: list[mx.array]  # recurrent state after each of the S positions
+
+
+def backbone_forward(
+    model: nn.Module,
+    inputs: mx.array,
+    cache: list[Any],
+    *,
+    hidden_state_mode: str = "post_norm",
+    logits: bool = True,
+    capture: bool = False,
+) -> tuple[mx.array | None, mx.array, list[_Captured]]:
+    """The decoder stack of mlx-lm 0.31.3's qwen3_5 model (its fa_idx/ssm_idx/is_linear
+    internals) -> (logits or None, the hidden state the MTP head reads, captured gated-delta states)."""
+    inner = model.model
+    h = inner.embed_tokens(inputs)
+    fa_mask = create_attention_mask(h, cache[inner.fa_idx])
+    ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
+    if capture and ssm_mask is not None:
+        raise ValueError("capturing gated-delta states needs unmasked (unpadded) rows")
+    captured: list[_Captured] = []
+    for layer, c in zip(inner.layers, cache):
+        if not layer.is_linear:
+            h = layer(h, mask=fa_mask, cache=c)
+        elif not capture:
+            h = layer(h, mask=ssm_mask, cache=c)
+        else:
+            r, conv_input, states = _gated_delta_capture(layer.linear_attn, layer.input_layernorm(h), c)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            captured.append(_Captured(c, conv_input, states))
+    post = inner.norm(h)
+    out = lm_head(model, post) if logits else None
+    return out, (h if hidden_state_mode == "pre_norm" else post), captured
+
+
+def rollback_rows(cache: BatchCache, captured: list[_Captured], keep: list[int], fed: int) -> None:
+    """Row i keeps the first keep[i] of the ``fed`` tokens of the last captured forward."""
+    drop = [fed - n for n in keep]
+    if not any(drop):
+        return
+    for c in cache.layers:
+        if isinstance(c, RaggedKVCache):
+            c.trim_rows(drop)
+    B = len(keep)
+    last = mx.array([n - 1 for n in keep])
+    for cap in captured:
+        if fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
+            cap.cache[1] = mx.where((last == 0)[:, None, None, None], cap.states[0], cap.states[1])
+        else:
+            cap.cache[1] = mx.stack(cap.states)[last, mx.arange(B)]
+        n_keep = cap.conv_input.shape[1] - fed
+        pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
+        cap.cache[0] = mx.take_along_axis(cap.conv_input, pos, axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Speculative sampling for one row
+# --------------------------------------------------------------------------------------------
+
+
+def speculative_row(
+    p_logits: mx.array, q: mx.array, drafts: mx.array, accept_key: mx.array, sample_key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Lazy speculative sampling of one row with k drafts.
+
+    p_logits [k+1, V]: the target's processed logits at [x, d_1..d_k]; q [k, V]: the draft
+    distributions d_j was sampled from; drafts [k]. Returns (accept [k] bool, candidates [k+1]):
+    draft j is accepted with prob min(1, p_j(d_j)/q_j(d_j)); candidates[j] is the replacement
+    sampled from norm(max(p_j - q_j, 0)) for j < k, and the bonus token from p_k at j = k. The row
+    keeps drafts up to the first rejection j and then candidates[j].
+    """
+    k = drafts.shape[0]
+    p = mx.softmax(p_logits, axis=-1)
+    idx = drafts[:, None].astype(mx.int32)
+    pd = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
+    qd = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+    accept = mx.random.uniform(shape=(k,), key=accept_key) * qd < pd
+    resid = mx.maximum(p[:k] - q, 0.0)
+    # p == q leaves no residual; a rejection then has probability 0, any p-sample is as good.
+    resid = mx.where(resid.sum(axis=-1, keepdims=True) > 0, resid, p[:k])
+    dists = mx.concatenate([resid, p[k:]], axis=0)
+    cands = mx.random.categorical(mx.log(dists), key=sample_key)
+    return accept, cands
+
+
+# --------------------------------------------------------------------------------------------
+# The strategy
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    history: list[int]  # prompt + generated tokens (the last is the row's next input)
+    prompt_len: int
+    pending_h: list[tuple[mx.array, int, int]] = field(default_factory=list)  # (hidden [B', T, H], row, n)
+    pending_t: list[int] = field(default_factory=list)  # tokens paired with the pending hidden states
+    ema: float = 1.0  # recent acceptance rate (optimistic start)
+    idle: int = 0  # steps since the row last drafted
+
+
+@dataclass
+class _Arm:
+    """Recent seconds per emitted token of one draft count (a median: robust to load spikes)."""
+
+    costs: deque = field(default_factory=lambda: deque(maxlen=9))
+    last_used: int = -1
+
+    @property
+    def n(self) -> int:
+        return len(self.costs)
+
+    @property
+    def rate(self) -> float:
+        return 1.0 / statistics.median(self.costs) if self.costs else 0.0
+
+
+def _bucket(batch: int) -> int:
+    return 1 << (batch - 1).bit_length()  # 1, 2, 4, 8, ...: nearby sizes share measurements
+
+
+class MTPDecode:
+    """Batched MTP speculative decoding for the text engine (see the module docstring).
+
+    ``TextEngine(model, tokenizer, decode=MTPDecode(bundle.mtp, k=1))``; the head must be bound
+    to the same TextModel (``build_text_model`` does that).
+    """
+
+    def __init__(
+        self,
+        head: MTPHead,
+        k: int = 1,
+        *,
+        hidden_state_mode: str | None = None,
+        adaptive: bool = True,
+        per_row_acceptance: bool = True,
+        max_batch_size: int | None = None,
+        min_row_acceptance: float = 0.15,
+        probe_every: int = 16,
+        explore_every: int = 16,
+        margin: float = 1.03,
+        flush_after: int = 64,
+        draft_hook: DraftHook | None = None,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.head = head
+        self.k = k
+        self.hidden_state_mode = hidden_state_mode or head.hidden_state_mode
+        self.adaptive = adaptive
+        self.per_row_acceptance = per_row_acceptance
+        self.max_batch_size = max_batch_size
+        self.min_row_acceptance = min_row_acceptance
+        self.probe_every = probe_every
+        self.explore_every = explore_every
+        self.margin = margin
+        self.flush_after = flush_after
+        self.draft_hook = draft_hook
+        self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
+        self._rows: list[_Row] = []
+        self._arms: dict[int, list[_Arm]] = {}
+        self._seen_shapes: set[tuple[int, int]] = set()
+        self._steps = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.steps_with_mtp = 0
+        self.steps_without_mtp = 0
+        self.accepted_histogram = [0] * (k + 1)  # per drafting row-step: how many drafts it kept
+
+    # -- DecodeStrategy: prefill / join / leave -----------------------------------------------
+
+    def prefill(self, model: nn.Module, tokens: mx.array, cache: list[Any], row: dict) -> None:
+        _, hidden, _ = backbone_forward(
+            model, tokens, cache, hidden_state_mode=self.hidden_state_mode, logits=False
+        )
+        mcache = row.setdefault("mtp_cache", self.head.make_cache())
+        prev = row.get("h_last")
+        # The head's pair at position t is (hidden_t, token_{t+1}): a chunk's last hidden state
+        # waits for the next chunk's first token (or, at join, the prompt's last token).
+        if prev is None:
+            ph, pt = hidden[:, :-1], tokens[:, 1:]
+        else:
+            ph, pt = mx.concatenate([prev, hidden[:, :-1]], axis=1), tokens
+        if pt.shape[1]:
+            self.head.forward(ph, pt, mcache)  # only the head's cache is kept
+        row["h_last"] = hidden[:, -1:]
+        mx.eval([c.state for c in cache], [c.state for c in mcache], row["h_last"])
+
+    def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
+        for rc, c in zip(self._cache, row.get("mtp_cache") or self.head.make_cache()):
+            rc.add_row(c)
+        r = _Row(history=list(prompt_ids), prompt_len=len(prompt_ids))
+        if "h_last" in row:
+            r.pending_h.append((row["h_last"], 0, 1))
+            r.pending_t.append(prompt_ids[-1])
+        self._rows.append(r)
+
+    def leave(self, keep: list[int]) -> None:
+        for c in self._cache:
+            c.filter(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(
+        self, model: nn.Module, cache: BatchCache, inputs: list[int], samplers: list[RowSampler]
+    ) -> DecodeResult:
+        tic = time.perf_counter()
+        rows, B = self._rows, len(inputs)
+        if len(rows) != B:
+            raise RuntimeError(f"MTPDecode holds {len(rows)} rows, the batch has {B}")
+        k = self._plan_k(B)
+        drafting = [k > 0 and self._wants_draft(r, s) for r, s in zip(rows, samplers)]
+        if not any(drafting):
+            k = 0
+        x = mx.array(inputs, dtype=mx.uint32)[:, None]
+        drafts, qs = None, {}
+        if k:
+            drafts, qs = self._draft(k, drafting, samplers)
+            if self.draft_hook is not None:
+                drafts = self._apply_hook(drafts, drafting, samplers, qs)
+            feed = mx.concatenate([x, mx.where(mx.array(drafting)[:, None], drafts, x)], axis=1)
+        else:
+            if max(len(r.pending_t) for r in rows) >= self.flush_after:
+                self._sync_head()
+            feed = x
+        logits, hidden, captured = backbone_forward(
+            model, feed, cache.layers, hidden_state_mode=self.hidden_state_mode, capture=k > 0
+        )
+        tokens, accepted = self._accept(logits, drafts, qs, drafting, samplers, k)
+        keep = [len(t) for t in tokens]
+        rollback_rows(cache, captured, keep, k + 1)
+        for i, (r, toks) in enumerate(zip(rows, tokens)):
+            r.pending_h.append((hidden, i, len(toks)))
+            r.pending_t.extend(toks)
+            r.history.extend(toks)
+        # Started, not awaited: the rollback runs while the scheduler does its bookkeeping.
+        mx.async_eval(cache.state(), [c.state for c in self._cache])
+        self._record(B, k, drafting, accepted, sum(keep), time.perf_counter() - tic)
+        return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted)
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def _wants_draft(self, r: _Row, s: RowSampler) -> bool:
+        if self.adaptive and s.options.seed is not None and not s.greedy:
+            # Adaptive drafting decisions depend on the batch and on timing; a seeded sampled row
+            # stays on plain decoding so its output is the same alone or in any batch.
+            return False
+        if not r.pending_t:  # a one-token prompt's first step: the head has no pair yet
+            return False
+        if len(r.history) - r.prompt_len + 1 >= s.options.max_tokens:  # one token left
+            return False
+        if not self.adaptive or r.ema >= self.min_row_acceptance:
+            return True
+        return r.idle >= self.probe_every
+
+    def _pending_hidden(self, L: int) -> mx.array:
+        """[B, L, H]: each row's pending hidden states, right-padded with zeros to L."""
+        rows = self._rows
+        src = rows[0].pending_h[0][0] if rows[0].pending_h else None
+        # Steady state: every row's pairs come from the last verify, in the same row order.
+        if (
+            src is not None
+            and src.shape[0] == len(rows)
+            and src.shape[1] >= L
+            and all(len(r.pending_h) == 1 and r.pending_h[0][0] is src and r.pending_h[0][1] == i
+                    for i, r in enumerate(rows))
+        ):
+            return src[:, :L]
+        dtype = next((r.pending_h[0][0].dtype for r in rows if r.pending_h), mx.float32)
+        H = self.head.backbone.args.hidden_size
+        out = []
+        for r in rows:
+            parts = [h[i, :n] for h, i, n in r.pending_h]
+            n = sum(n for _, _, n in r.pending_h)
+            if n < L:
+                parts.append(mx.zeros((L - n, H), dtype=dtype))
+            out.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
+        return mx.stack(out)
+
+    def _sync_head(self) -> tuple[mx.array, mx.array, list[int]]:
+        """Feed every row's pending pairs to the head; (normed, pre-norm) outputs and counts."""
+        rows = self._rows
+        counts = [len(r.pending_t) for r in rows]
+        L = max(counts)
+        h = self._pending_hidden(L)
+        t = mx.array([r.pending_t + [0] * (L - len(r.pending_t)) for r in rows], dtype=mx.uint32)
+        out, pre = self.head.forward(h, t, self._cache)
+        for c in self._cache:
+            c.trim_rows([L - n for n in counts])
+        for r in rows:
+            r.pending_h, r.pending_t = [], []
+        return out, pre, counts
+
+    def _draft(
+        self, k: int, drafting: list[bool], samplers: list[RowSampler]
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """Drafts [B, k] (lazy) and, per sampled drafting row, the distributions q [k, V]."""
+        out, pre, counts = self._sync_head()
+        last = mx.array([max(n - 1, 0) for n in counts])[:, None, None]
+        h_out = mx.take_along_axis(out, last, axis=1)
+        h_pre = mx.take_along_axis(pre, last, axis=1)
+        sampled = [i for i, (d, s) in enumerate(zip(drafting, samplers)) if d and not s.greedy]
+        qs: dict[int, list[mx.array]] = {i: [] for i in sampled}
+        drafts = []
+        for j in range(k):
+            logits = lm_head(self.head.backbone, h_out)[:, 0]
+            tok = mx.argmax(logits, axis=-1)
+            if sampled:
+                picks = []
+                for i in range(len(drafting)):
+                    if i in qs:
+                        xq = samplers[i].process(logits[i])
+                        qs[i].append(mx.softmax(xq, axis=-1))
+                        picks.append(mx.random.categorical(xq, key=samplers[i].next_key()).astype(tok.dtype))
+                    else:
+                        picks.append(tok[i])
+                tok = mx.stack(picks)
+            drafts.append(tok)
+            if j + 1 < k:
+                h = h_pre if self.hidden_state_mode == "pre_norm" else h_out
+                h_out, h_pre = self.head.forward(h, tok[:, None], self._cache)
+        if k > 1:  # the recursive entries were built from drafts, not verified hidden states
+            for c in self._cache:
+                c.trim_rows([k - 1] * len(drafting))
+        return mx.stack(drafts, axis=1).astype(mx.uint32), {i: mx.stack(q) for i, q in qs.items()}
+
+    def _apply_hook(
+        self, drafts: mx.array, drafting: list[bool], samplers: list[RowSampler], qs: dict[int, mx.array]
+    ) -> mx.array:
+        proposed = drafts.tolist()
+        given = [p if d else None for p, d in zip(proposed, drafting)]
+        new = self.draft_hook([list(r.history) for r in self._rows], given)
+        V = self.head.backbone.args.vocab_size
+        for i, d in enumerate(drafting):
+            if d and list(new[i]) != proposed[i]:
+                proposed[i] = list(new[i])
+                if not samplers[i].greedy:  # the hook's own tokens: a point mass at each
+                    qs[i] = (mx.arange(V)[None, :] == mx.array(proposed[i])[:, None]).astype(mx.float32)
+        return mx.array(proposed, dtype=mx.uint32)
+
+    # -- acceptance -------------------------------------------------------------------------
+
+    def _accept(
+        self,
+        logits: mx.array,
+        drafts: mx.array | None,
+        qs: dict[int, mx.array],
+        drafting: list[bool],
+        samplers: list[RowSampler],
+        k: int,
+    ) -> tuple[list[list[int]], list[int]]:
+        B = len(samplers)
+        targets = mx.argmax(logits, axis=-1)  # [B, k+1]
+        lazy: dict[int, tuple[mx.array, ...]] = {}
+        for i, s in enumerate(samplers):
+            if s.greedy:
+                continue
+            if drafting[i]:
+                xp = s.process(logits[i])
+                lazy[i] = speculative_row(xp, qs[i], drafts[i], s.next_key(), s.next_key())
+            else:
+                lazy[i] = (s.sample(logits[i, 0]),)
+        mx.eval(targets, drafts if drafts is not None else [], list(lazy.values()))
+        t = targets.tolist()
+        d = drafts.tolist() if drafts is not None else [[] for _ in range(B)]
+        counts, finals = [], []
+        for i, s in enumerate(samplers):
+            a = 0
+            if s.greedy:
+                if drafting[i]:
+                    while a < k and d[i][a] == t[i][a]:
+                        a += 1
+                final = t[i][a]
+            elif drafting[i]:
+                acc, cands = (v.tolist() for v in lazy[i])
+                while a < k and acc[a]:
+                    a += 1
+                final = cands[a]
+            else:
+                final = lazy[i][0].item()
+            counts.append(a)
+            finals.append(final)
+        if not self.per_row_acceptance and any(drafting):
+            # Batch-wide all-or-nothing (the host's scheme), for comparison: every row keeps the
+            # shortest accepted run; an accepted draft is a valid sample at its position.
+            a_min = min(c for c, dr in zip(counts, drafting) if dr)
+            finals = [d[i][a_min] if counts[i] > a_min else finals[i] for i in range(B)]
+            counts = [min(c, a_min) for c in counts]
+        tokens = [d[i][:a] + [f] for i, (a, f) in enumerate(zip(counts, finals))]
+        return tokens, [a if dr else 0 for a, dr in zip(counts, drafting)]
+
+    # -- adaptivity and stats ---------------------------------------------------------------
+
+    def _plan_k(self, B: int) -> int:
+        if self.max_batch_size is not None and B > self.max_batch_size:
+            return 0
+        if not self.adaptive:
+            return self.k
+        arms = self._arms.setdefault(_bucket(B), [_Arm() for _ in range(self.k + 1)])
+        self._steps += 1
+        untried = [j for j in range(self.k, -1, -1) if arms[j].n == 0]
+        if untried:
+            return untried[0]
+        if self._steps % self.explore_every == 0:
+            return min(range(self.k + 1), key=lambda j: arms[j].last_used)
+        rate = [a.rate for a in arms]
+        best = max(range(self.k + 1), key=rate.__getitem__)
+        # Near a tie plain decoding wins: timings are noisy and drafting must clearly pay.
+        return best if rate[best] > self.margin * rate[0] else 0
+
+    def _record(
+        self, B: int, k: int, drafting: list[bool], accepted: list[int], tokens: int, seconds: float
+    ) -> None:
+        if k:
+            self.steps_with_mtp += 1
+        else:
+            self.steps_without_mtp += 1
+        for r, d, a in zip(self._rows, drafting, accepted):
+            if d:
+                self.drafted += k
+                self.accepted += a
+                self.accepted_histogram[a] += 1
+                r.ema = 0.5 * r.ema + 0.5 * (a / k)
+                r.idle = 0
+            else:
+                r.idle += 1
+        if not self.adaptive:
+            return
+        # The first step of a shape may include one-off work (kernel compilation): not timed.
+        if (B, k) not in self._seen_shapes:
+            self._seen_shapes.add((B, k))
+            return
+        arm = self._arms.setdefault(_bucket(B), [_Arm() for _ in range(self.k + 1)])[k]
+        arm.costs.append(seconds / tokens)  # per token: comparable across sizes in a bucket
+        arm.last_used = self._steps
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "steps_with_mtp": self.steps_with_mtp,
+            "steps_without_mtp": self.steps_without_mtp,
+            "accepted_histogram": list(self.accepted_histogram),
+            "per_row_acceptance": self.per_row_acceptance,
+            "adaptive": self.adaptive,
+            "throughput_by_batch": {
+                b: [round(a.rate, 1) if a.n else None for a in arms]
+                for b, arms in sorted(self._arms.items())
+            },
+        }
