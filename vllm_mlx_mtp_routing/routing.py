@@ -100,9 +100,10 @@ class RoutingSettings:
 class RoutingEngine(EngineDecorator):
     """Decorates the host's BatchedEngine; the host engine keeps doing what it does."""
 
-    _own_attrs = frozenset(
-        {"wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission", "tokens_per_media_item", "mtp_decode"}
-    )
+    _own_attrs = frozenset({
+        "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
+        "tokens_per_media_item", "mtp_decode",
+    })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
         super().__init__(wrapped)
@@ -148,12 +149,14 @@ class RoutingEngine(EngineDecorator):
     def _encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer_for_text.encode(prompt, add_special_tokens=False))
 
-    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
         try:
-            prompt = host.render_chat_prompt(self.wrapped, messages, options)
+            return host.render_chat_prompt(self.wrapped, messages, options)
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
-        return self._encode(prompt)
+
+    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+        return self._encode(self._render(messages, options))
 
     async def _admit(self, path: str, prompt_tokens: int, options: dict[str, Any], priority: int) -> Any:
         """Wait for room, or raise RequestRejected (503 busy, 413 never fits) before any output exists."""
@@ -167,12 +170,9 @@ class RoutingEngine(EngineDecorator):
         """A projection, not a count: the host expands each image after admission, so every media item is
         taken at the processor's bound (see tokens_per_media_item)."""
         if messages is not None:
-            try:
-                prompt = host.render_chat_prompt(self.wrapped, messages, options)
-            except Exception as exc:
-                raise RequestRejected(400, f"chat template error: {exc}") from exc
+            prompt = self._render(messages, options)
         items = sum(len(options.get(k) or ()) for k in MEDIA_OPTIONS) + _media_parts(messages)
-        return len(self._encode(prompt or "")) + max(1, items) * self.tokens_per_media_item
+        return len(self._encode(prompt or "")) + items * self.tokens_per_media_item
 
     async def _text_stream(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> AsyncIterator[TextOutput]:
         ticket = await self._admit("text", len(prompt_ids), options, priority)
