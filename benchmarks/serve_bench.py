@@ -16,6 +16,8 @@ is the JSON summary.
   python benchmarks/serve_bench.py --model trained            # models/tiny-qwen35-trained
   python benchmarks/serve_bench.py --model /path/to/qwen3.5-vlm --max-tokens 256
   python benchmarks/serve_bench.py --no-plugin                # host only
+  python benchmarks/serve_bench.py --server-cmd "python benchmarks/vllm_mlx_launcher.py --site /root/site"
+                                                              # packages from `pip install --target`
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import io
 import json
 import os
 import platform
+import shlex
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -78,10 +83,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model: Path, flags: list[str], log_dir: Path, timeout: float = 300.0) -> Iterator[Server]:
+def serve(model: Path, flags: list[str], log_dir: Path, timeout: float = 300.0,
+          server_cmd: list[str] | None = None) -> Iterator[Server]:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    cmd = [VLLM_MLX, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
+    cmd = [*(server_cmd or [VLLM_MLX]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -102,7 +108,7 @@ def serve(model: Path, flags: list[str], log_dir: Path, timeout: float = 300.0) 
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -245,36 +251,56 @@ def find_acceptance(obj, path: str = "") -> dict:
     return found
 
 
+class Interrupted(Exception):
+    """SIGTERM (e.g. from `timeout`): stop measuring, keep the rounds done so far."""
+
+
+def _raise_interrupted(signum, frame) -> None:
+    # once: `timeout` signals the process and then its group, and the second must not cut the
+    # server's shutdown or the report short
+    signal.signal(signum, signal.SIG_IGN)
+    raise Interrupted(f"signal {signum}")
+
+
 def bench_config(name: str, model: Path, flags: list[str], a, log_dir: Path) -> dict:
-    out: dict = {"name": name, "flags": flags}
+    out: dict = {"name": name, "flags": flags, "text": {}}
     t0 = time.perf_counter()
-    with serve(model, flags, log_dir) as srv:
+    with serve(model, flags, log_dir, server_cmd=shlex.split(a.server_cmd) if a.server_cmd else None) as srv:
         out["startup_s"] = time.perf_counter() - t0
-        # warm-up: compiles, caches and the first image path, kept out of the numbers
-        asyncio.run(run_round(srv.url, srv.model, 2, 2, 8, 2 if a.mixed else 0, 10_000))
-        rounds = {}
-        for c in a.concurrency:
-            n = max(c, int(c * a.requests_per_slot))
-            res, wall = asyncio.run(run_round(srv.url, srv.model, c, n, a.max_tokens, 0, c * 100))
-            rounds[str(c)] = summarize(res, wall)
-            print(f"[{name}] c={c}: {json.dumps(rounds[str(c)])}", file=sys.stderr, flush=True)
-        out["text"] = rounds
-        if a.mixed:
-            c = a.mixed_concurrency
-            res, wall = asyncio.run(run_round(srv.url, srv.model, c, max(c, 2 * c if not a.quick else c),
-                                              a.max_tokens, 2, 5000))
-            out["mixed"] = {"concurrency": c, "all": summarize(res, wall),
-                            "text": summarize([r for r in res if r.path == "text"], wall),
-                            "media": summarize([r for r in res if r.path == "media"], wall)}
-            print(f"[{name}] mixed: {json.dumps(out['mixed']['all'])}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            status = httpx.get(f"{srv.url}/v1/status", timeout=10).json()
-            out["mtp_acceptance"] = find_acceptance(status)
-            out["host_mtp_status"] = status.get("mtp")
-            if "plugins" in status:
-                plug = status["plugins"].get("mtp-routing", {})
-                out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine")}
+        try:
+            measure(srv, name, a, out)
+        except Interrupted as e:
+            out["interrupted"] = str(e)
     return out
+
+
+def measure(srv: Server, name: str, a, out: dict) -> None:
+    # warm-up: compiles, caches and the first image path, kept out of the numbers; --warmup-all
+    # also meets every batch size once (a GPU backend compiles kernels per shape)
+    asyncio.run(run_round(srv.url, srv.model, 2, 2, 8, 2 if a.mixed else 0, 10_000))
+    for c in a.concurrency if a.warmup_all else []:
+        asyncio.run(run_round(srv.url, srv.model, c, c, 8, 0, 20_000))
+    rounds = out["text"]
+    for c in a.concurrency:
+        n = max(c, int(c * a.requests_per_slot))
+        res, wall = asyncio.run(run_round(srv.url, srv.model, c, n, a.max_tokens, 0, c * 100))
+        rounds[str(c)] = summarize(res, wall)
+        print(f"[{name}] c={c}: {json.dumps(rounds[str(c)])}", file=sys.stderr, flush=True)
+    if a.mixed:
+        c = a.mixed_concurrency
+        res, wall = asyncio.run(run_round(srv.url, srv.model, c, max(c, 2 * c if not a.quick else c),
+                                          a.max_tokens, 2, 5000))
+        out["mixed"] = {"concurrency": c, "all": summarize(res, wall),
+                        "text": summarize([r for r in res if r.path == "text"], wall),
+                        "media": summarize([r for r in res if r.path == "media"], wall)}
+        print(f"[{name}] mixed: {json.dumps(out['mixed']['all'])}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        status = httpx.get(f"{srv.url}/v1/status", timeout=10).json()
+        out["mtp_acceptance"] = find_acceptance(status)
+        out["host_mtp_status"] = status.get("mtp")
+        if "plugins" in status:
+            plug = status["plugins"].get("mtp-routing", {})
+            out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine")}
 
 
 def ratios(host: dict, plugin: dict) -> dict:
@@ -329,6 +355,11 @@ def markdown(report: dict) -> str:
                              f"{fmt(s['aggregate_tok_s'])} | {fmt(s['decode_tok_s_per_request_mean'])} | "
                              f"{fmt(s['ttft_p50_s'], 3)} | {s['errors']} |")
     for cfg in report["configs"]:
+        if cfg.get("interrupted") or cfg.get("failed"):
+            lines.append(f"\n{cfg['name']}: " + (f"interrupted ({cfg['interrupted']}) after concurrency "
+                                                  f"{', '.join(cfg['text']) or 'none'}" if cfg.get("interrupted")
+                                                  else "failed: " + cfg["failed"].strip().splitlines()[-1][:200]))
+    for cfg in report["configs"]:
         if cfg.get("mtp_acceptance"):
             lines.append(f"\nMTP acceptance ({cfg['name']}): " +
                          ", ".join(f"`{k}` = {v:.3f}" for k, v in cfg["mtp_acceptance"].items()))
@@ -381,10 +412,26 @@ def device_line() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return f"MLX {mx.__version__} {mx.default_device()}, {os.cpu_count()} cores {cpu}, Python {platform.python_version()}"
+    return (f"MLX {mx.__version__} {mx.default_device()}, {os.cpu_count()} cores {cpu}, "
+            f"Python {platform.python_version()}{gpu_names()}")
+
+
+def gpu_names() -> str:
+    """', on NVIDIA H100 80GB HBM3 (driver 580.159.04)' where nvidia-smi answers, else ''."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=False).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    gpus = [tuple(x.strip() for x in line.split(",", 1)) for line in out if "," in line]
+    return f", on {gpus[0][0]} (driver {gpus[0][1]})" + (f" x{len(gpus)}" if len(gpus) > 1 else "") if gpus else ""
 
 
 def git_commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # a copy of the tree without .git (a device machine)
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
@@ -413,12 +460,16 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-slot", type=float, default=2.0, help="requests per round = conc * this")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 96; --quick 24)")
     ap.add_argument("--no-mixed", dest="mixed", action="store_false")
+    ap.add_argument("--warmup-all", action="store_true",
+                    help="warm up at every concurrency too (8 tokens each), not only at 2")
     ap.add_argument("--mixed-concurrency", type=int, default=4)
     ap.add_argument("--no-mtp", action="store_true", help="leave --enable-mtp off")
     ap.add_argument("--host-flags", default="", help="extra flags for both servers")
     ap.add_argument("--plugin-flags", default="--plugins mtp-routing",
                     help="what the plugin configuration adds (default: --plugins mtp-routing)")
     ap.add_argument("--no-plugin", action="store_true", help="benchmark the host only")
+    ap.add_argument("--server-cmd", default=None,
+                    help="command standing for `vllm-mlx`, e.g. 'python benchmarks/vllm_mlx_launcher.py --site DIR'")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--name", default=None, help="output file stem (default serve_bench[_quick])")
     a = ap.parse_args(argv)
@@ -429,6 +480,8 @@ def main(argv=None) -> int:
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
 
     t0 = time.perf_counter()
+    with contextlib.suppress(ValueError):  # only the main thread may set handlers
+        signal.signal(signal.SIGTERM, _raise_interrupted)
     with tempfile.TemporaryDirectory(prefix="serve_bench.") as tmp:
         tmp = Path(tmp)
         model = resolve_model(a.model, tmp)
@@ -440,9 +493,11 @@ def main(argv=None) -> int:
         for name, flags in configs:
             try:
                 results.append(bench_config(name, model, flags, a, tmp))
-            except RuntimeError as e:
+            except (RuntimeError, Interrupted) as e:
                 results.append({"name": name, "flags": flags, "failed": str(e)[-2000:], "text": {}})
                 print(f"[{name}] failed: {str(e)[-2000:]}", file=sys.stderr)
+            if any("interrupted" in r or "signal" in r.get("failed", "") for r in results):
+                break  # stopped from outside: report what was measured, start nothing new
     report = {
         "model": a.model if a.model in ("tiny", "trained") else str(model),
         "model_path": str(model),
@@ -465,7 +520,8 @@ def main(argv=None) -> int:
     (a.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (a.out_dir / f"{stem}.md").write_text(markdown(report))
     print(json.dumps(report))
-    return 0 if len(ok) == len(results) else 1
+    complete = len(ok) == len(configs) and not any("interrupted" in c for c in ok)
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":
