@@ -404,6 +404,11 @@ class MTPDecode:
         rows = self._rows
         counts = [len(r.pending_t) for r in rows]
         L = max(counts)
+        if L > self.k + 1:
+            # A catch-up after plain steps: round its length up to a power of two. Every new
+            # sequence length retraces mlx-lm's compiled functions (and JIT-compiles kernels on
+            # CUDA), which made adaptive MTP several times slower than plain decoding on a GPU.
+            L = 1 << (L - 1).bit_length()
         h = self._pending_hidden(L)
         t = mx.array([r.pending_t + [0] * (L - len(r.pending_t)) for r in rows], dtype=mx.uint32)
         out, pre = self.head.forward(h, t, self._cache)
