@@ -28,10 +28,15 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path) -> None
     with serve(TRAINED, *flags, "--enable-mtp", log_dir=tmp_path) as server:
         with_mtp = greedy(server)
         mtp = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
+    with serve(TRAINED, *flags, "--enable-mtp", "--mtp-schedule", "always", log_dir=tmp_path) as server:
+        always = greedy(server)
+        fixed = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
     with serve(TRAINED, *flags, log_dir=tmp_path) as server:
         without = greedy(server)
         assert httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"] == {"enabled": False}
-    assert with_mtp == without
+    assert with_mtp == without == always
+    assert fixed["adaptive"] is False and fixed["steps_with_mtp"] > fixed["steps_without_mtp"]
+    assert fixed["acceptance_rate"] > 0.5  # the trained head (0.87 held-out) really drafts
     # adaptive MTP keeps exploring drafting even where plain steps are faster on this machine
     assert mtp["drafted"] > 0 and mtp["steps_with_mtp"] > 0
     assert mtp["accepted"] > 0

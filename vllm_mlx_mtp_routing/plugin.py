@@ -27,6 +27,8 @@ class _State:
 
     admission: admission.AdmissionSettings | None = None
     routing_active: bool = False
+    mtp_schedule: str = "adaptive"
+    mtp_max_batch_size: int | None = None
 
 
 STATE = _State()
@@ -39,12 +41,35 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         action="store_true",
         help="Load the plugin but leave the engine as the host built it (every request on the host's path).",
     )
+    group.add_argument(
+        "--mtp-schedule",
+        choices=("adaptive", "always"),
+        default="adaptive",
+        help="Text-path MTP with --enable-mtp: 'adaptive' (default) drafts per step only where measured "
+        "throughput says it pays and pauses rows with low acceptance; 'always' drafts every step for every row.",
+    )
+    group.add_argument(
+        "--mtp-max-batch-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="Text-path MTP drafts only while the batch has at most N rows (default: no limit).",
+    )
     admission.add_arguments(group)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
 
 
 @hookimpl
 def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.admission = admission.validate(args)
+    STATE.mtp_schedule = args.mtp_schedule
+    STATE.mtp_max_batch_size = args.mtp_max_batch_size
 
 
 @hookimpl
@@ -126,9 +151,16 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     if bundle.mtp is not None:
         from .text_engine.mtp_decode import MTPDecode
 
-        router.mtp_decode = MTPDecode(bundle.mtp, k=router.settings.mtp_num_draft_tokens)
-        logger.info("mtp-routing: MTP speculative decoding on the text path, k=%d, per-row acceptance, adaptive",
-                    router.settings.mtp_num_draft_tokens)
+        router.mtp_decode = MTPDecode(
+            bundle.mtp,
+            k=router.settings.mtp_num_draft_tokens,
+            adaptive=STATE.mtp_schedule == "adaptive",
+            max_batch_size=STATE.mtp_max_batch_size,
+        )
+        logger.info(
+            "mtp-routing: MTP speculative decoding on the text path, k=%d, per-row acceptance, schedule %s, max batch %s",
+            router.settings.mtp_num_draft_tokens, STATE.mtp_schedule, STATE.mtp_max_batch_size or "unlimited",
+        )
     elif router.settings.enable_mtp:
         logger.info("mtp-routing: --enable-mtp, but the text path runs without MTP: %s", bundle.mtp_unavailable_reason)
     text_engine = TextEngine(
