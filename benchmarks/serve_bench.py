@@ -33,21 +33,22 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from any directory
+from vllm_mlx_mtp_routing.testing import server as testing_server  # noqa: E402
+from vllm_mlx_mtp_routing.testing.server import Server  # noqa: E402
+
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
-VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
 
 # Code prompts in the style of the trained model's corpus; different lengths on purpose.
 PROMPTS = [
@@ -68,50 +69,10 @@ PROMPTS = [
 # ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    url: str
-    model: str
-    proc: subprocess.Popen
-    log_path: Path
-
-
-@contextlib.contextmanager
 def serve(model: Path, flags: list[str], log_dir: Path, timeout: float = 300.0,
-          server_cmd: list[str] | None = None) -> Iterator[Server]:
-    port = free_port()
-    log_path = log_dir / f"server-{port}.log"
-    cmd = [*(server_cmd or [VLLM_MLX]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", str(model), proc, log_path)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}: {' '.join(cmd)}\n"
-                                   f"{log_path.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start in {timeout}s")
-            time.sleep(0.2)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+          server_cmd: list[str] | None = None) -> contextlib.AbstractContextManager[Server]:
+    """The project's server helper; ``server_cmd`` replaces the ``vllm-mlx`` console script."""
+    return testing_server.serve(model, *flags, log_dir=log_dir, startup_timeout=timeout, command=server_cmd)
 
 
 # ---------------------------------------------------------------------------
