@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from scheduling import run_schedule
+from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, speculative_row
 from vllm_mlx_mtp_routing.text_model import build_text_model
 
@@ -43,18 +44,7 @@ def _prompts(lengths, seed=0):
 
 def run(bundle, tok, jobs, decode=None, max_num_seqs=8):
     """jobs: [(arrival_step, prompt, options)] -> ({index: final TextOutput}, scheduler)."""
-    sched = BatchScheduler(bundle.model, tok, max_num_seqs=max_num_seqs, prefill_step_size=PREFILL, decode=decode)
-    pending = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
-    finals, step = {}, 0
-    while pending or sched.has_work():
-        while pending and jobs[pending[0]][0] <= step:
-            i = pending.pop(0)
-            sched.add(TextRequest(str(i), jobs[i][1], jobs[i][2]))
-        for out in sched.step():
-            if out.finished:
-                finals[int(out.request_id)] = out
-        step += 1
-    return finals, sched
+    return run_schedule(bundle.model, tok, jobs, max_num_seqs=max_num_seqs, prefill_step_size=PREFILL, decode=decode)
 
 
 class Oracle:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate
 
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+import scheduling
+from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 
 PREFILL = 16  # small, so prompts span several chunks and chunk boundaries are exercised
 
@@ -33,21 +34,7 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def run_schedule(model, tokenizer, jobs, *, max_num_seqs, prefill_step_size=PREFILL):
-    """jobs: [(arrival_step, prompt_ids, SamplingOptions)] -> {index: final TextOutput}."""
-    sched = BatchScheduler(
-        model, tokenizer, max_num_seqs=max_num_seqs, prefill_step_size=prefill_step_size
-    )
-    pending = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
-    finals, step = {}, 0
-    while pending or sched.has_work():
-        while pending and jobs[pending[0]][0] <= step:
-            i = pending.pop(0)
-            sched.add(TextRequest(str(i), jobs[i][1], jobs[i][2]))
-        for out in sched.step():
-            if out.finished:
-                finals[int(out.request_id)] = out
-        step += 1
-    return finals, sched
+    return scheduling.run_schedule(model, tokenizer, jobs, max_num_seqs=max_num_seqs, prefill_step_size=prefill_step_size)
 
 
 def alone(model, tokenizer, prompt, options):
