@@ -42,25 +42,9 @@ mkdir -p "$OUT" "$WORK/results"
 main() {
 t_start=$(date +%s)
 
-# --- setup: MLX CUDA + wheels into $SITE (once per machine) ---
-if [ ! -e "$SITE/.gpu_serve_staged" ]; then
-  aa=$(ls /root/mlx.part.aa .device-a/mlx.part.aa 2>/dev/null | head -1)
-  ab=.device-b/mlx.part.ab
-  if [ -z "$aa" ] || [ ! -e "$ab" ]; then
-    echo "gpu_serve: MLX halves missing (need /root/mlx.part.aa or .device-a/mlx.part.aa, and $ab)"; exit 2
-  fi
-  mkdir -p "$SITE"
-  cat "$aa" "$ab" | xz -d -T0 | tar -C "$SITE" -xf - || exit 2
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      .device-b/whl/*.whl || exit 2
-  touch "$SITE/.gpu_serve_staged"
-fi
-# The checkout comes first: the plugin's code is the working tree's; $SITE gives the host packages,
-# the plugin's entry point and its .pth bootstrap (run by the launcher).
-export PYTHONPATH=$REPO:$SITE HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+. benchmarks/gpu_setup.sh || exit $?
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 LAUNCH="$PY $REPO/benchmarks/vllm_mlx_launcher.py --site $SITE"
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 $PY -c "import mlx.core as mx, mlx_lm, mlx_vlm, vllm_mlx.server, vllm_mlx_mtp_routing.plugin as p; \
 print('mlx', mx.__version__, mx.default_device(), 'plugin from', p.__file__)" || exit 3
 

@@ -34,6 +34,9 @@ class RaggedKVCache(_BaseCache):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self._lengths: list[int] = []
+        # Positions skipped per row (``skip_rows``): a row's RoPE offset is lengths[i] + shift[i].
+        self._shift: list[int] = []
+        self._slots = mx.array([], dtype=mx.int32)  # where row i writes its next key
         self.offset = mx.array([], dtype=mx.int32)  # per-row RoPE offset, read by the attention
 
     @property
@@ -58,15 +61,21 @@ class RaggedKVCache(_BaseCache):
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
-    def _set_lengths(self, lengths: list[int]) -> None:
+    def _set_lengths(self, lengths: list[int], shift: list[int] | None = None) -> None:
         self._lengths = list(lengths)
-        self.offset = mx.array(self._lengths, dtype=mx.int32)
+        if shift is not None:
+            self._shift = list(shift)
+        self._slots = mx.array(self._lengths, dtype=mx.int32)
+        if any(self._shift):
+            self.offset = mx.array([n + s for n, s in zip(self._lengths, self._shift)], dtype=mx.int32)
+        else:
+            self.offset = self._slots
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported")
-        # Query q of row i sits at position lengths[i] + q and sees keys at positions <= its own.
-        q_pos = self.offset[:, None] + mx.arange(N)
+        # Query q of row i sits in slot lengths[i] + q and sees the keys in slots <= its own.
+        q_pos = self._slots[:, None] + mx.arange(N)
         k_pos = mx.arange(self.size() + N)
         return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
@@ -92,7 +101,7 @@ class RaggedKVCache(_BaseCache):
         self._reserve(end, keys, values)
         # In bounds by _reserve: MLX (0.32.4, CPU) does not bounds-check scatters, and an index
         # past the buffer corrupts the heap instead of raising.
-        pos = (self.offset[:, None] + mx.arange(S))[:, None, :, None]
+        pos = (self._slots[:, None] + mx.arange(S))[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, pos, keys, axis=2)
         self.values = mx.put_along_axis(self.values, pos, values, axis=2)
         self._set_lengths([n + S for n in self._lengths])
@@ -102,8 +111,15 @@ class RaggedKVCache(_BaseCache):
         """Forget the last counts[i] tokens of row i (per-row rollback)."""
         self._set_lengths([max(0, n - c) for n, c in zip(self._lengths, counts)])
 
+    def skip_rows(self, counts: list[int]) -> None:
+        """Advance row i's positions by counts[i] without storing keys for them: the next token
+        of the row is rotated as if the skipped ones were there (the MTP head resuming after
+        plain decode steps leaves such a gap instead of catching up on every skipped pair)."""
+        if any(counts):
+            self._set_lengths(self._lengths, [s + c for s, c in zip(self._shift, counts)])
+
     def filter(self, keep: list[int]) -> None:
-        self._set_lengths([self._lengths[i] for i in keep])
+        self._set_lengths([self._lengths[i] for i in keep], [self._shift[i] for i in keep])
         if self.keys is None:
             return
         if not keep:
@@ -125,7 +141,7 @@ class RaggedKVCache(_BaseCache):
                 self.values = mx.concatenate(
                     [self.values, mx.zeros((1, H, T, Dv), self.values.dtype)]
                 )
-            self._set_lengths(self._lengths + [0])
+            self._set_lengths(self._lengths + [0], self._shift + [0])
             return
         k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
         cap = _round_up(max(n, self.size()), self.step)
@@ -142,10 +158,12 @@ class RaggedKVCache(_BaseCache):
             old_v = mx.pad(self.values, pad) if cap > have else self.values[..., :cap, :]
         self.keys = mx.concatenate([old_k, k])
         self.values = mx.concatenate([old_v, v])
-        self._set_lengths(self._lengths + [n])
+        self._set_lengths(self._lengths + [n], self._shift + [0])
 
     def extract(self, i: int) -> KVCache:
         """Row i as a single-sequence ``KVCache`` (e.g. to keep it as a prefix cache)."""
+        if self._shift[i]:
+            raise ValueError("a row with skipped positions has no single-sequence form")
         c = KVCache()
         n = self._lengths[i]
         if self.keys is not None and n:

@@ -21,16 +21,21 @@ token x_i it feeds next:
 Rows that do not draft this step (no pairs yet, low recent acceptance, at most one token left)
 feed [x_i, x_i, ...]: the padding is computed and discarded and rolled back like a rejected
 draft, so rows with and without drafts share one forward. When no row drafts, the step is a plain
-[B, 1] decode (its hidden states are kept as pending pairs; the head catches up when drafting
-resumes, or every ``flush_after`` tokens).
+[B, 1] decode and the head does not run: its hidden states are kept as pending pairs, at most
+``resume_window`` per row; when drafting resumes the head takes those and skips the positions of
+older ones (``RaggedKVCache.skip_rows``: the head attends over a gap, which costs some acceptance
+and nothing in correctness, since every draft is verified). The head therefore runs over one of
+two lengths per batch size: k + 1 (steady drafting) or the window (resuming).
 
 Adaptivity (``adaptive=True``): per row, drafting pauses while the row's recent acceptance (an
 EMA) is below ``min_row_acceptance``, probing again every ``probe_every`` steps; per step, the
-number of drafts (0..k) is chosen by measured throughput (the median seconds per emitted token of
-the last steps with that choice, per batch-size bucket; every ``explore_every`` steps the least
-recently tried choice runs, so all estimates stay current; near a tie (``margin``) plain decoding
-wins), so MTP is used only where it pays on this machine and model. ``max_batch_size`` turns
-drafting off above a batch size outright.
+number of drafts (0..k) is chosen by measured throughput per batch-size bucket (median seconds
+and mean tokens per row-step of the last steps with that choice; steps that compile a new shape
+or resume the head are not timed). Near a tie (``margin``) plain decoding wins. Every
+``explore_every`` steps the stalest other choice runs for ``explore_steps`` timed steps; the
+interval doubles, up to ``max_explore_every``, while explorations confirm the incumbent, so a
+choice that loses costs almost nothing once known. ``max_batch_size`` turns drafting off above a
+batch size outright.
 
 Seeds: every random number comes from the row's own ``RowSampler`` key stream, a fixed number of
 keys per step for a given draft count, so a seeded request reproduces given the same drafting
@@ -214,26 +219,66 @@ def speculative_row(
 class _Row:
     history: list[int]  # prompt + generated tokens (the last is the row's next input)
     prompt_len: int
-    pending_h: list[tuple[mx.array, int, int]] = field(default_factory=list)  # (hidden [B', T, H], row, n)
-    pending_t: list[int] = field(default_factory=list)  # tokens paired with the pending hidden states
+    # Pairs verified since the head's last sync: hidden[row, start:stop] of a step's [B', T, H]
+    # hidden state, with the tokens that follow them.
+    pending_h: list[tuple[mx.array, int, int, int]] = field(default_factory=list)
+    pending_t: list[int] = field(default_factory=list)
+    skipped: int = 0  # older pairs dropped unsynced: the head skips their positions
     ema: float = 1.0  # recent acceptance rate (optimistic start)
     idle: int = 0  # steps since the row last drafted
+
+    def add_pending(self, hidden: mx.array, i: int, tokens: list[int]) -> None:
+        self.pending_h.append((hidden, i, 0, len(tokens)))
+        self.pending_t.extend(tokens)
+
+    def keep_last(self, window: int) -> None:
+        """Keep at most ``window`` pending pairs, dropping the oldest."""
+        drop = len(self.pending_t) - window
+        if drop <= 0:
+            return
+        self.skipped += drop
+        self.pending_t = self.pending_t[drop:]
+        while drop:
+            h, i, a, b = self.pending_h[0]
+            n = min(drop, b - a)
+            if n == b - a:
+                self.pending_h.pop(0)
+            else:
+                self.pending_h[0] = (h, i, a + n, b)
+            drop -= n
 
 
 @dataclass
 class _Arm:
-    """Recent seconds per emitted token of one draft count (a median: robust to load spikes)."""
+    """Recent cost and yield of one draft count, per row-step: the median step time (robust to
+    load spikes) and the mean tokens emitted (acceptance is a coin per step, a median of it is
+    biased)."""
 
-    costs: deque = field(default_factory=lambda: deque(maxlen=9))
+    seconds: deque = field(default_factory=lambda: deque(maxlen=9))
+    tokens: deque = field(default_factory=lambda: deque(maxlen=16))
     last_used: int = -1
 
     @property
     def n(self) -> int:
-        return len(self.costs)
+        return len(self.seconds)
 
     @property
     def rate(self) -> float:
-        return 1.0 / statistics.median(self.costs) if self.costs else 0.0
+        return statistics.fmean(self.tokens) / statistics.median(self.seconds) if self.seconds else 0.0
+
+
+@dataclass
+class _Schedule:
+    """The adaptive draft-count choice for one batch-size bucket."""
+
+    arms: list[_Arm]
+    interval: int  # steps between explorations; doubles while they confirm the incumbent
+    steps: int = 0
+    next_explore: int = 0
+    incumbent: int = 0  # the best draft count when the running exploration began
+    exploring: int = -1  # the draft count being explored, -1 when none
+    explore_left: int = 0  # timed steps the exploration still needs
+    explore_began: int = 0
 
 
 def _bucket(batch: int) -> int:
@@ -259,8 +304,10 @@ class MTPDecode:
         min_row_acceptance: float = 0.15,
         probe_every: int = 16,
         explore_every: int = 16,
+        max_explore_every: int = 256,
+        explore_steps: int = 2,
         margin: float = 1.03,
-        flush_after: int = 64,
+        resume_window: int = 8,
         draft_hook: DraftHook | None = None,
     ) -> None:
         if k < 1:
@@ -274,14 +321,19 @@ class MTPDecode:
         self.min_row_acceptance = min_row_acceptance
         self.probe_every = probe_every
         self.explore_every = explore_every
+        self.max_explore_every = max(max_explore_every, explore_every)
+        self.explore_steps = explore_steps
         self.margin = margin
-        self.flush_after = flush_after
+        # The head syncs over k + 1 pairs per row (steady drafting) or, resuming after plain
+        # steps, over the last ``window`` pairs (older ones are skipped): two shapes per batch
+        # size, so nothing is retraced or recompiled, and a plain step never runs the head.
+        self.window = max(resume_window, k + 1)
         self.draft_hook = draft_hook
         self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
         self._rows: list[_Row] = []
-        self._arms: dict[int, list[_Arm]] = {}
+        self._schedules: dict[int, _Schedule] = {}
         self._seen_shapes: set[tuple[int, int]] = set()
-        self._steps = 0
+        self._caught_up = False  # this step's head sync resumed after plain steps (not timed)
         self.drafted = 0
         self.accepted = 0
         self.steps_with_mtp = 0
@@ -312,8 +364,7 @@ class MTPDecode:
             rc.add_row(c)
         r = _Row(history=list(prompt_ids), prompt_len=len(prompt_ids))
         if "h_last" in row:
-            r.pending_h.append((row["h_last"], 0, 1))
-            r.pending_t.append(prompt_ids[-1])
+            r.add_pending(row["h_last"], 0, prompt_ids[-1:])
         self._rows.append(r)
 
     def leave(self, keep: list[int]) -> None:
@@ -342,8 +393,6 @@ class MTPDecode:
                 drafts = self._apply_hook(drafts, drafting, samplers, qs)
             feed = mx.concatenate([x, mx.where(mx.array(drafting)[:, None], drafts, x)], axis=1)
         else:
-            if max(len(r.pending_t) for r in rows) >= self.flush_after:
-                self._sync_head()
             feed = x
         logits, hidden, captured = backbone_forward(
             model, feed, cache.layers, hidden_state_mode=self.hidden_state_mode, capture=k > 0
@@ -352,8 +401,8 @@ class MTPDecode:
         keep = [len(t) for t in tokens]
         rollback_rows(cache, captured, keep, k + 1)
         for i, (r, toks) in enumerate(zip(rows, tokens)):
-            r.pending_h.append((hidden, i, len(toks)))
-            r.pending_t.extend(toks)
+            r.add_pending(hidden, i, toks)
+            r.keep_last(self.window)
             r.history.extend(toks)
         # Started, not awaited: the rollback runs while the scheduler does its bookkeeping.
         mx.async_eval(cache.state(), [c.state for c in self._cache])
@@ -384,7 +433,7 @@ class MTPDecode:
             src is not None
             and src.shape[0] == len(rows)
             and src.shape[1] >= L
-            and all(len(r.pending_h) == 1 and r.pending_h[0][0] is src and r.pending_h[0][1] == i
+            and all(len(r.pending_h) == 1 and r.pending_h[0][0] is src and r.pending_h[0][1:3] == (i, 0)
                     for i, r in enumerate(rows))
         ):
             return src[:, :L]
@@ -392,8 +441,8 @@ class MTPDecode:
         H = self.head.backbone.args.hidden_size
         out = []
         for r in rows:
-            parts = [h[i, :n] for h, i, n in r.pending_h]
-            n = sum(n for _, _, n in r.pending_h)
+            parts = [h[i, a:b] for h, i, a, b in r.pending_h]
+            n = len(r.pending_t)
             if n < L:
                 parts.append(mx.zeros((L - n, H), dtype=dtype))
             out.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
@@ -403,19 +452,18 @@ class MTPDecode:
         """Feed every row's pending pairs to the head; (normed, pre-norm) outputs and counts."""
         rows = self._rows
         counts = [len(r.pending_t) for r in rows]
-        L = max(counts)
-        if L > self.k + 1:
-            # A catch-up after plain steps: round its length up to a power of two. Every new
-            # sequence length retraces mlx-lm's compiled functions (and JIT-compiles kernels on
-            # CUDA), which made adaptive MTP several times slower than plain decoding on a GPU.
-            L = 1 << (L - 1).bit_length()
+        L = self.k + 1 if max(counts) <= self.k + 1 else self.window
+        skipped = [r.skipped for r in rows]
+        self._caught_up = L > self.k + 1 or any(skipped)
+        for c in self._cache:
+            c.skip_rows(skipped)
         h = self._pending_hidden(L)
         t = mx.array([r.pending_t + [0] * (L - len(r.pending_t)) for r in rows], dtype=mx.uint32)
         out, pre = self.head.forward(h, t, self._cache)
         for c in self._cache:
             c.trim_rows([L - n for n in counts])
         for r in rows:
-            r.pending_h, r.pending_t = [], []
+            r.pending_h, r.pending_t, r.skipped = [], [], 0
         return out, pre, counts
 
     def _draft(
@@ -518,22 +566,50 @@ class MTPDecode:
 
     # -- adaptivity and stats ---------------------------------------------------------------
 
+    def _schedule(self, B: int) -> _Schedule:
+        b = _bucket(B)
+        if b not in self._schedules:
+            arms = [_Arm() for _ in range(self.k + 1)]
+            self._schedules[b] = _Schedule(arms, interval=self.explore_every, next_explore=self.explore_every)
+        return self._schedules[b]
+
+    def _best(self, s: _Schedule) -> int:
+        rate = [a.rate for a in s.arms]
+        best = max(range(self.k + 1), key=rate.__getitem__)
+        # Near a tie plain decoding wins: timings are noisy and drafting must clearly pay.
+        return best if rate[best] > self.margin * rate[0] else 0
+
     def _plan_k(self, B: int) -> int:
         if self.max_batch_size is not None and B > self.max_batch_size:
             return 0
         if not self.adaptive:
             return self.k
-        arms = self._arms.setdefault(_bucket(B), [_Arm() for _ in range(self.k + 1)])
-        self._steps += 1
-        untried = [j for j in range(self.k, -1, -1) if arms[j].n == 0]
+        s = self._schedule(B)
+        s.steps += 1
+        untried = [j for j in range(self.k, -1, -1) if s.arms[j].n == 0]
         if untried:
             return untried[0]
-        if self._steps % self.explore_every == 0:
-            return min(range(self.k + 1), key=lambda j: arms[j].last_used)
-        rate = [a.rate for a in arms]
-        best = max(range(self.k + 1), key=rate.__getitem__)
-        # Near a tie plain decoding wins: timings are noisy and drafting must clearly pay.
-        return best if rate[best] > self.margin * rate[0] else 0
+        if s.exploring >= 0 and s.steps - s.explore_began > 4 * self.explore_steps:
+            self._end_exploration(s)  # its draft count could not run (no row wanted to draft)
+        if s.exploring >= 0:
+            return s.exploring
+        best = self._best(s)
+        if s.steps >= s.next_explore:
+            # Re-measure the stalest other choice for a few steps: costs drift (context length,
+            # batch mix, acceptance), and a choice never tried again can never win back.
+            s.incumbent = best
+            s.exploring = min((j for j in range(self.k + 1) if j != best), key=lambda j: s.arms[j].last_used)
+            s.explore_left, s.explore_began = self.explore_steps, s.steps
+            return s.exploring
+        return best
+
+    def _end_exploration(self, s: _Schedule) -> None:
+        s.exploring = -1
+        # While explorations keep confirming the incumbent they back off (at most one step in
+        # max_explore_every is then spent on a losing choice); a change of winner resets them.
+        confirmed = self._best(s) == s.incumbent
+        s.interval = min(2 * s.interval, self.max_explore_every) if confirmed else self.explore_every
+        s.next_explore = s.steps + s.interval
 
     def _record(
         self, B: int, k: int, drafting: list[bool], accepted: list[int], tokens: int, seconds: float
@@ -551,15 +627,25 @@ class MTPDecode:
                 r.idle = 0
             else:
                 r.idle += 1
-        if not self.adaptive:
+        caught_up, self._caught_up = self._caught_up, False
+        if not self.adaptive or (self.max_batch_size is not None and B > self.max_batch_size):
             return
-        # The first step of a shape may include one-off work (kernel compilation): not timed.
+        # Not timed: the first step of a shape (kernel compilation, tracing) and a head sync
+        # resuming after plain steps (a one-off, not the draft count's steady cost).
         if (B, k) not in self._seen_shapes:
             self._seen_shapes.add((B, k))
             return
-        arm = self._arms.setdefault(_bucket(B), [_Arm() for _ in range(self.k + 1)])[k]
-        arm.costs.append(seconds / tokens)  # per token: comparable across sizes in a bucket
-        arm.last_used = self._steps
+        if caught_up:
+            return
+        s = self._schedule(B)
+        arm = s.arms[k]
+        arm.seconds.append(seconds / B)
+        arm.tokens.append(tokens / B)
+        arm.last_used = s.steps
+        if s.exploring == k:
+            s.explore_left -= 1
+            if s.explore_left <= 0:
+                self._end_exploration(s)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -573,7 +659,7 @@ class MTPDecode:
             "per_row_acceptance": self.per_row_acceptance,
             "adaptive": self.adaptive,
             "throughput_by_batch": {
-                b: [round(a.rate, 1) if a.n else None for a in arms]
-                for b, arms in sorted(self._arms.items())
+                b: [round(a.rate, 1) if a.n else None for a in sched.arms]
+                for b, sched in sorted(self._schedules.items())
             },
         }
