@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -90,6 +91,18 @@ def load_bundle(path: Path | None):
     if bundle.mtp is None:
         raise SystemExit(f"{path} has no MTP head: {bundle.mtp_unavailable_reason}")
     return path, bundle, processor.tokenizer, source
+
+
+def gpu_name() -> str | None:
+    """The NVIDIA GPU's name when MLX runs on one (MLX reports only "gpu")."""
+    if mx.default_device() != mx.gpu:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=False).stdout.strip()
+    except OSError:
+        return None
+    return out.splitlines()[0] if out else None
 
 
 def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -309,6 +322,7 @@ def main() -> None:
             "acceptance_source": source,
             "dtype": str(bundle.model.model.embed_tokens.weight.dtype),
             "device": str(mx.default_device()),
+            "gpu": gpu_name(),
             "mlx": mx.__version__,
             "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus, Python {platform.python_version()}",
             "k": a.k,

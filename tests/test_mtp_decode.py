@@ -323,3 +323,41 @@ def test_seeded_requests_reproduce_alone_and_batched(tiny):
     assert batched == go([(0, p, o) for p, o in zip(prompts, opts)])
     for i, (p, o) in enumerate(zip(prompts, opts)):
         assert go([(0, p, o)])[0] == batched[i]
+
+
+class Pattern(MTPDecode):
+    """Drafts on a fixed schedule: `plain` plain steps, then `mtp` drafting steps, repeated.
+    Records, per step, every row's backbone length minus (head position + pending pairs)."""
+
+    def __init__(self, *a, plain=11, mtp=3, **kw):
+        super().__init__(*a, **kw)
+        self.plan, self.n, self.gaps = (plain, mtp), 0, []
+
+    def _plan_k(self, B):
+        self.n += 1
+        return 0 if (self.n - 1) % sum(self.plan) < self.plan[0] else self.k
+
+    def step(self, model, cache, inputs, samplers):
+        res = super().step(model, cache, inputs, samplers)
+        head = self._cache[0]
+        self.gaps.append([n - (int(p) + len(r.pending_t) + r.skipped)
+                          for n, p, r in zip(cache.lengths(), head.offset.tolist(), self._rows)])
+        return res
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_head_resumes_after_plain_steps_at_the_right_positions(tiny, k):
+    """Plain runs longer than the resume window: the head skips the older pairs' positions, so
+    every pair still sits at its own position (backbone length = head position + pending pairs +
+    skipped pairs, for every row at every step), and the output is the plain output."""
+    bundle, tok = tiny
+    prompts = _prompts([9, 30, 3], seed=4)
+    ref = _plain(bundle, tok, prompts, [40, 40, 40])
+    decode = Pattern(bundle.mtp, k=k, adaptive=False, resume_window=4)
+    finals, _ = run(bundle, tok, [(a, p, SamplingOptions(max_tokens=40)) for a, p in zip([0, 3, 5], prompts)],
+                    decode)
+    assert [finals[i].token_ids for i in range(3)] == ref
+    # n tokens in the backbone: n pairs (hidden_t, token_t+1), t < n, the last with the token fed next
+    assert {g for step in decode.gaps for g in step} == {0}
+    s = decode.stats()
+    assert s["steps_with_mtp"] > 0 and s["steps_without_mtp"] > 2 * s["steps_with_mtp"]

@@ -127,3 +127,40 @@ def test_rejects_unbatchable_cache_types():
     with pytest.raises(TypeError):
         BatchCache(M())
     np.testing.assert_equal(RaggedKVCache().size(), 0)
+
+
+@pytest.mark.parametrize("whole_buffer", [False, True])
+def test_whole_buffer_attention_equals_trimmed(model, whole_buffer):
+    """Attention over the whole reserved buffer (the CUDA default: one shape per 256 tokens) gives
+    what attention over the used slots gives; only the key length differs."""
+    bc = BatchCache(model, whole_buffer=whole_buffer)
+    for p in PROMPTS:
+        bc.add_row(_prefilled(model, p))
+    logits = _step(model, bc, [[17, 4], [18, 5], [19, 6]])
+    ref = _step(model, _batch(model, PROMPTS), [[17, 4], [18, 5], [19, 6]]) if whole_buffer else logits
+    assert mx.allclose(logits, ref, atol=1e-4)
+    kv = next(c for c in bc.layers if isinstance(c, RaggedKVCache))
+    _, H, _, D = kv.keys.shape
+    keys, _ = kv.update_and_fetch(mx.zeros((3, H, 1, D)), mx.zeros((3, H, 1, D)))
+    assert keys.shape[2] == (512 if whole_buffer else 303)
+
+
+def test_skip_rows_moves_positions_not_slots():
+    """The MTP head resuming after plain steps: row 0 skips 5 positions; its next key lands in
+    its next slot, rotated 5 positions further, and the mask is over slots."""
+    kv = RaggedKVCache(whole_buffer=False)
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 1, 3, 4)), mx.ones((1, 1, 3, 4)))
+    kv.add_row(c)
+    kv.add_row(c)
+    kv.skip_rows([5, 0])
+    assert kv.offset.tolist() == [8, 3] and kv.lengths == [3, 3]
+    mask = kv.make_mask(1)
+    assert mask.shape == (2, 1, 1, 4) and mask.all().item()
+    kv.update_and_fetch(mx.full((2, 1, 1, 4), 2.0), mx.full((2, 1, 1, 4), 2.0))
+    assert kv.lengths == [4, 4] and kv.offset.tolist() == [9, 4]
+    assert kv.keys[:, 0, 3, 0].tolist() == [2.0, 2.0]
+    kv.filter([0])
+    assert kv.offset.tolist() == [9]
+    with pytest.raises(ValueError):
+        kv.extract(0)

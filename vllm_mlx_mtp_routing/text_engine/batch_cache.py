@@ -25,12 +25,25 @@ def _round_up(n: int, step: int) -> int:
     return max(step, (n + step - 1) // step * step)
 
 
+def _plans_attention_per_shape() -> bool:
+    """MLX's CUDA backend runs multi-token-query attention through cuDNN, planned per shape."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 class RaggedKVCache(_BaseCache):
-    """A batch KV cache whose rows have their own lengths (drop-in for mlx-lm attention layers)."""
+    """A batch KV cache whose rows have their own lengths (drop-in for mlx-lm attention layers).
+
+    ``whole_buffer``: attention reads the whole reserved buffer (its length changes every
+    ``step`` tokens) instead of the rows' longest length (every token). On by default where
+    attention kernels are planned per shape (cuDNN's SDPA, which MLX's CUDA backend takes for
+    multi-token queries such as a [B, k+1] verify): planning anew at every step cost ~70 ms per
+    step on an H100 (benchmarks/gpu_step_trace.py). Elsewhere the masked tail would be wasted work.
+    """
 
     step = 256
 
-    def __init__(self) -> None:
+    def __init__(self, whole_buffer: bool | None = None) -> None:
+        self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self._lengths: list[int] = []
@@ -71,12 +84,20 @@ class RaggedKVCache(_BaseCache):
         else:
             self.offset = self._slots
 
+    def _capacity(self, needed: int) -> int:
+        have = 0 if self.keys is None else self.keys.shape[2]
+        return have if needed <= have else _round_up(needed, self.step)
+
+    def _visible(self, needed: int) -> int:
+        """How many key slots attention reads once ``needed`` are in use."""
+        return self._capacity(needed) if self.whole_buffer else needed
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported")
         # Query q of row i sits in slot lengths[i] + q and sees the keys in slots <= its own.
         q_pos = self._slots[:, None] + mx.arange(N)
-        k_pos = mx.arange(self.size() + N)
+        k_pos = mx.arange(self._visible(self.size() + N))
         return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
     def _reserve(self, needed: int, keys: mx.array, values: mx.array) -> None:
@@ -85,7 +106,7 @@ class RaggedKVCache(_BaseCache):
         have = 0 if self.keys is None else self.keys.shape[2]
         if needed <= have:
             return
-        grow = _round_up(needed, self.step) - have
+        grow = self._capacity(needed) - have
         # Zeros, never garbage: masked slots still enter the attention matmul (0 * NaN = NaN).
         new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
         new_v = mx.zeros((B, H, grow, Dv), values.dtype)
@@ -105,7 +126,8 @@ class RaggedKVCache(_BaseCache):
         self.keys = mx.put_along_axis(self.keys, pos, keys, axis=2)
         self.values = mx.put_along_axis(self.values, pos, values, axis=2)
         self._set_lengths([n + S for n in self._lengths])
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        n = self._visible(end)
+        return self.keys[..., :n, :], self.values[..., :n, :]
 
     def trim_rows(self, counts: list[int]) -> None:
         """Forget the last counts[i] tokens of row i (per-row rollback)."""
@@ -184,14 +206,14 @@ def _gated_delta_zero_state(layer: nn.Module, dtype: mx.Dtype) -> list[mx.array]
 class BatchCache:
     """Per-layer caches of the running decode batch, rows in the batch's row order."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, whole_buffer: bool | None = None) -> None:
         self._model = model
         single = model.make_cache()
         for c in single:
             if type(c) not in (ArraysCache, KVCache):
                 raise TypeError(f"no batched form for cache type {type(c).__name__}")
         self.layers: list[Any] = [
-            ArraysCache(size=len(c.cache)) if isinstance(c, ArraysCache) else RaggedKVCache()
+            ArraysCache(size=len(c.cache)) if isinstance(c, ArraysCache) else RaggedKVCache(whole_buffer)
             for c in single
         ]
         self._rows = 0

@@ -24,8 +24,9 @@ draft, so rows with and without drafts share one forward. When no row drafts, th
 [B, 1] decode and the head does not run: its hidden states are kept as pending pairs, at most
 ``resume_window`` per row; when drafting resumes the head takes those and skips the positions of
 older ones (``RaggedKVCache.skip_rows``: the head attends over a gap, which costs some acceptance
-and nothing in correctness, since every draft is verified). The head therefore runs over one of
-two lengths per batch size: k + 1 (steady drafting) or the window (resuming).
+and nothing in correctness, since every draft is verified). The head always runs over k + 1
+pairs per row, resuming in several such chunks: one shape per batch size, nothing is retraced or
+re-planned (on CUDA a new attention shape is a new cuDNN plan).
 
 Adaptivity (``adaptive=True``): per row, drafting pauses while the row's recent acceptance (an
 EMA) is below ``min_row_acceptance``, probing again every ``probe_every`` steps; per step, the
@@ -324,9 +325,9 @@ class MTPDecode:
         self.max_explore_every = max(max_explore_every, explore_every)
         self.explore_steps = explore_steps
         self.margin = margin
-        # The head syncs over k + 1 pairs per row (steady drafting) or, resuming after plain
-        # steps, over the last ``window`` pairs (older ones are skipped): two shapes per batch
-        # size, so nothing is retraced or recompiled, and a plain step never runs the head.
+        # Resuming after plain steps the head takes the last ``window`` pairs per row (older ones
+        # are skipped), so a plain step never runs the head and a resume costs at most
+        # window / (k + 1) head forwards.
         self.window = max(resume_window, k + 1)
         self.draft_hook = draft_hook
         self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
@@ -452,14 +453,22 @@ class MTPDecode:
         """Feed every row's pending pairs to the head; (normed, pre-norm) outputs and counts."""
         rows = self._rows
         counts = [len(r.pending_t) for r in rows]
-        L = self.k + 1 if max(counts) <= self.k + 1 else self.window
+        C = self.k + 1
+        # Resuming after plain steps, the head runs over the window in chunks of k + 1, the
+        # steady shape: one shape per batch size, where a [B, window] forward is a new attention
+        # plan on CUDA (~55 ms on an H200, once per batch size; benchmarks/gpu_step_trace.py).
+        L = C * -(-max(max(counts), 1) // C)
         skipped = [r.skipped for r in rows]
-        self._caught_up = L > self.k + 1 or any(skipped)
+        self._caught_up = L > C or any(skipped)
         for c in self._cache:
             c.skip_rows(skipped)
         h = self._pending_hidden(L)
         t = mx.array([r.pending_t + [0] * (L - len(r.pending_t)) for r in rows], dtype=mx.uint32)
-        out, pre = self.head.forward(h, t, self._cache)
+        outs = [self.head.forward(h[:, i : i + C], t[:, i : i + C], self._cache) for i in range(0, L, C)]
+        out = mx.concatenate([o for o, _ in outs], axis=1) if len(outs) > 1 else outs[0][0]
+        pre = mx.concatenate([p for _, p in outs], axis=1) if len(outs) > 1 else outs[0][1]
+        # Rows are right-padded: every row's padding follows its real pairs, so no real pair
+        # attends to padding, and the padding goes once all chunks are in.
         for c in self._cache:
             c.trim_rows([L - n for n in counts])
         for r in rows:
