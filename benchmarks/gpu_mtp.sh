@@ -5,6 +5,9 @@
 #   a Qwen3.5-2B-shaped model     (random bf16 weights, make_qwen35_2b.py; acceptance FORCED with
 #                                  --forced-acceptance, its random head accepts nothing)
 # Staging and the two device calls are those of gpu_serve.sh (the second call runs this script).
+# Read the 2B run for its step costs (t1, t2, tm) only: in bf16 on CUDA its near-tie random logits
+# round differently in a [B, 2] verify and a [B, 1] step, the forced "true" continuation stops
+# matching, and the acceptance it reaches (0.07 on an H100) says nothing about MTP.
 #
 # Environment: GPU_MTP_BUDGET_S (wall seconds for everything after setup, default 540),
 # GPU_MTP_TRAINED_ARGS / GPU_MTP_2B_ARGS (extra arguments of each run), GPU_MTP_FORCED (default
