@@ -29,8 +29,6 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModel, TextModelArgs
 
-from .folded_attention import attention_layer
-
 HIDDEN_STATE_MODES = ("post_norm", "pre_norm")
 
 
@@ -173,19 +171,18 @@ class MTPHead(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def forward(
-        self, hidden: mx.array, tokens: mx.array, cache: Sequence[Any] | None = None, fold: bool = False
+        self, hidden: mx.array, tokens: mx.array, cache: Sequence[Any] | None = None
     ) -> tuple[mx.array, mx.array]:
         """Pairs (hidden[:, i], tokens[:, i]) -> (normed output, pre-norm output), both [B, L, H].
 
-        hidden: backbone hidden at positions t..t+L-1; tokens: the tokens at t+1..t+L. ``fold``:
-        a short query attends as single-token queries (``folded_attention``).
+        hidden: backbone hidden at positions t..t+L-1; tokens: the tokens at t+1..t+L.
         """
         e = self.pre_fc_norm_embedding(self.backbone.model.embed_tokens(tokens))
         x = self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(hidden)], axis=-1))
         if cache is None:
             cache = [None] * len(self.layers)
         for layer, c in zip(self.layers, cache):
-            x = attention_layer(layer, x, create_attention_mask(x, c), c, fold)
+            x = layer(x, mask=create_attention_mask(x, c), cache=c)
         return self.norm(x), x
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:

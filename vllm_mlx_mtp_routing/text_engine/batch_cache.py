@@ -20,11 +20,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 
-from ..folded_attention import plans_attention_per_shape
-
 
 def _round_up(n: int, step: int) -> int:
     return max(step, (n + step - 1) // step * step)
+
+
+def _plans_attention_per_shape() -> bool:
+    """MLX's CUDA backend runs multi-token-query attention through cuDNN, planned per shape."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 class RaggedKVCache(_BaseCache):
@@ -40,7 +43,7 @@ class RaggedKVCache(_BaseCache):
     step = 256
 
     def __init__(self, whole_buffer: bool | None = None) -> None:
-        self.whole_buffer = plans_attention_per_shape() if whole_buffer is None else whole_buffer
+        self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self._lengths: list[int] = []

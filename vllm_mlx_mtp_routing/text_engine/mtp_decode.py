@@ -58,7 +58,6 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from ..folded_attention import attention_layer, plans_attention_per_shape
 from ..mtp import MTPHead, lm_head
 from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult
@@ -137,13 +136,9 @@ def backbone_forward(
     hidden_state_mode: str = "post_norm",
     logits: bool = True,
     capture: bool = False,
-    fold: bool | None = None,
 ) -> tuple[mx.array | None, mx.array, list[_Captured]]:
     """The decoder stack of mlx-lm 0.31.3's qwen3_5 model (its fa_idx/ssm_idx/is_linear
-    internals) -> (logits or None, the hidden state the MTP head reads, captured gated-delta states).
-    ``fold``: short queries attend as single-token queries (``folded_attention``; default where
-    attention is planned per shape)."""
-    fold = plans_attention_per_shape() if fold is None else fold
+    internals) -> (logits or None, the hidden state the MTP head reads, captured gated-delta states)."""
     inner = model.model
     h = inner.embed_tokens(inputs)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
@@ -153,7 +148,7 @@ def backbone_forward(
     captured: list[_Captured] = []
     for layer, c in zip(inner.layers, cache):
         if not layer.is_linear:
-            h = attention_layer(layer, h, fa_mask, c, fold)
+            h = layer(h, mask=fa_mask, cache=c)
         elif not capture:
             h = layer(h, mask=ssm_mask, cache=c)
         else:
@@ -315,7 +310,6 @@ class MTPDecode:
         margin: float = 1.03,
         resume_window: int = 8,
         draft_hook: DraftHook | None = None,
-        fold: bool | None = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -336,8 +330,6 @@ class MTPDecode:
         # window / (k + 1) head forwards.
         self.window = max(resume_window, k + 1)
         self.draft_hook = draft_hook
-        # Short queries as single-token queries where attention is planned per shape (CUDA).
-        self.fold = plans_attention_per_shape() if fold is None else fold
         self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
         self._rows: list[_Row] = []
         self._schedules: dict[int, _Schedule] = {}
@@ -404,7 +396,7 @@ class MTPDecode:
         else:
             feed = x
         logits, hidden, captured = backbone_forward(
-            model, feed, cache.layers, hidden_state_mode=self.hidden_state_mode, capture=k > 0, fold=self.fold
+            model, feed, cache.layers, hidden_state_mode=self.hidden_state_mode, capture=k > 0
         )
         tokens, accepted = self._accept(logits, drafts, qs, drafting, samplers, k)
         keep = [len(t) for t in tokens]
@@ -472,8 +464,7 @@ class MTPDecode:
             c.skip_rows(skipped)
         h = self._pending_hidden(L)
         t = mx.array([r.pending_t + [0] * (L - len(r.pending_t)) for r in rows], dtype=mx.uint32)
-        outs = [self.head.forward(h[:, i : i + C], t[:, i : i + C], self._cache, fold=self.fold)
-                for i in range(0, L, C)]
+        outs = [self.head.forward(h[:, i : i + C], t[:, i : i + C], self._cache) for i in range(0, L, C)]
         out = mx.concatenate([o for o, _ in outs], axis=1) if len(outs) > 1 else outs[0][0]
         pre = mx.concatenate([p for _, p in outs], axis=1) if len(outs) > 1 else outs[0][1]
         # Rows are right-padded: every row's padding follows its real pairs, so no real pair
