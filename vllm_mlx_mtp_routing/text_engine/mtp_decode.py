@@ -352,11 +352,16 @@ class MTPDecode:
         # The head's pair at position t is (hidden_t, token_{t+1}): a chunk's last hidden state
         # waits for the next chunk's first token (or, at join, the prompt's last token).
         if prev is None:
-            ph, pt = hidden[:, :-1], tokens[:, 1:]
+            # The first chunk has one pair fewer than tokens. It runs with a dummy pair at its end
+            # (causal: no real pair sees it) that is trimmed after: the head's attention then has
+            # the backbone's shape, and on CUDA a chunk length's cuDNN plan is built once for
+            # both instead of once more per prompt length for the head.
+            ph, pt = hidden, mx.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+            self.head.forward(ph, pt, mcache)
+            for c in mcache:
+                c.trim(1)
         else:
-            ph, pt = mx.concatenate([prev, hidden[:, :-1]], axis=1), tokens
-        if pt.shape[1]:
-            self.head.forward(ph, pt, mcache)  # only the head's cache is kept
+            self.head.forward(mx.concatenate([prev, hidden[:, :-1]], axis=1), tokens, mcache)
         row["h_last"] = hidden[:, -1:]
         mx.eval([c.state for c in cache], [c.state for c in mcache], row["h_last"])
 
