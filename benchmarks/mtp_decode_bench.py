@@ -69,6 +69,9 @@ from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_costs import time_steps  # noqa: E402
+
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 COUNTERS = ("drafted", "accepted", "steps_with_mtp", "steps_without_mtp")
 
@@ -177,13 +180,7 @@ def run(bundle, tok, prompts, max_tokens, decode):
 
 
 def median_ms(fn, iters: int) -> float:
-    fn()
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        out.append(1000 * (time.perf_counter() - t))
-    return statistics.median(out)
+    return statistics.median(time_steps(fn, warmup=1, iters=iters))
 
 
 def _snapshot(layers) -> list:
