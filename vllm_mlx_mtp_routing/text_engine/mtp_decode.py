@@ -30,13 +30,10 @@ re-planned (on CUDA a new attention shape is a new cuDNN plan).
 
 Adaptivity (``adaptive=True``): per row, drafting pauses while the row's recent acceptance (an
 EMA) is below ``min_row_acceptance``, probing again every ``probe_every`` steps; per step, the
-number of drafts (0..k) is chosen by measured throughput per batch-size bucket (median seconds
-and mean tokens per row-step of the last steps with that choice; steps that compile a new shape
-or resume the head are not timed). Near a tie (``margin``) plain decoding wins. Every
-``explore_every`` steps the stalest other choice runs for ``explore_steps`` timed steps; the
-interval doubles, up to ``max_explore_every``, while explorations confirm the incumbent, so a
-choice that loses costs almost nothing once known. ``max_batch_size`` turns drafting off above a
-batch size outright.
+number of drafts (0..k) is chosen by measured throughput per batch-size bucket
+(``DraftSchedule``: hysteresis near a tie, explorations that back off). Steps that compile or
+plan a new shape (batch, draft count, KV buffer capacity) or resume the head are not timed.
+``max_batch_size`` turns drafting off above a batch size outright.
 
 Seeds: every random number comes from the row's own ``RowSampler`` key stream, a fixed number of
 keys per step for a given draft count, so a seeded request reproduces given the same drafting
@@ -46,9 +43,7 @@ decisions. A row that never drafts consumes keys exactly as ``SingleTokenDecode`
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +56,7 @@ from mlx_lm.models.gated_delta import gated_delta_update
 from ..mtp import MTPHead, lm_head
 from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult
+from .draft_schedule import DraftSchedule
 from .sampling import RowSampler
 
 logger = logging.getLogger(__name__)
@@ -249,43 +245,6 @@ class _Row:
             drop -= n
 
 
-@dataclass
-class _Arm:
-    """Recent cost and yield of one draft count, per row-step: the median step time (robust to
-    load spikes) and the mean tokens emitted (acceptance is a coin per step, a median of it is
-    biased)."""
-
-    seconds: deque = field(default_factory=lambda: deque(maxlen=9))
-    tokens: deque = field(default_factory=lambda: deque(maxlen=16))
-    last_used: int = -1
-
-    @property
-    def n(self) -> int:
-        return len(self.seconds)
-
-    @property
-    def rate(self) -> float:
-        return statistics.fmean(self.tokens) / statistics.median(self.seconds) if self.seconds else 0.0
-
-
-@dataclass
-class _Schedule:
-    """The adaptive draft-count choice for one batch-size bucket."""
-
-    arms: list[_Arm]
-    interval: int  # steps between explorations; doubles while they confirm the incumbent
-    steps: int = 0
-    next_explore: int = 0
-    incumbent: int = 0  # the best draft count when the running exploration began
-    exploring: int = -1  # the draft count being explored, -1 when none
-    explore_left: int = 0  # timed steps the exploration still needs
-    explore_began: int = 0
-
-
-def _bucket(batch: int) -> int:
-    return 1 << (batch - 1).bit_length()  # 1, 2, 4, 8, ...: nearby sizes share measurements
-
-
 class MTPDecode:
     """Batched MTP speculative decoding for the text engine (see the module docstring).
 
@@ -306,8 +265,9 @@ class MTPDecode:
         probe_every: int = 16,
         explore_every: int = 16,
         max_explore_every: int = 256,
-        explore_steps: int = 2,
+        explore_steps: int = 3,
         margin: float = 1.03,
+        reset_gain: float = 1.15,
         resume_window: int = 8,
         draft_hook: DraftHook | None = None,
     ) -> None:
@@ -321,10 +281,10 @@ class MTPDecode:
         self.max_batch_size = max_batch_size
         self.min_row_acceptance = min_row_acceptance
         self.probe_every = probe_every
-        self.explore_every = explore_every
-        self.max_explore_every = max(max_explore_every, explore_every)
-        self.explore_steps = explore_steps
-        self.margin = margin
+        self.schedule = DraftSchedule(
+            k, explore_every=explore_every, max_explore_every=max_explore_every,
+            explore_steps=explore_steps, margin=margin, reset_gain=reset_gain,
+        )
         # Resuming after plain steps the head takes the last ``window`` pairs per row (older ones
         # are skipped), so a plain step never runs the head and a resume costs at most
         # window / (k + 1) head forwards.
@@ -332,8 +292,7 @@ class MTPDecode:
         self.draft_hook = draft_hook
         self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
         self._rows: list[_Row] = []
-        self._schedules: dict[int, _Schedule] = {}
-        self._seen_shapes: set[tuple[int, int]] = set()
+        self._seen_shapes: set[tuple[int, ...]] = set()
         self._caught_up = False  # this step's head sync resumed after plain steps (not timed)
         self.drafted = 0
         self.accepted = 0
@@ -412,7 +371,7 @@ class MTPDecode:
             r.history.extend(toks)
         # Started, not awaited: the rollback runs while the scheduler does its bookkeeping.
         mx.async_eval(cache.state(), [c.state for c in self._cache])
-        self._record(B, k, drafting, accepted, sum(keep), time.perf_counter() - tic)
+        self._record(cache, B, k, drafting, accepted, sum(keep), time.perf_counter() - tic)
         return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted)
 
     # -- drafting ---------------------------------------------------------------------------
@@ -580,53 +539,21 @@ class MTPDecode:
 
     # -- adaptivity and stats ---------------------------------------------------------------
 
-    def _schedule(self, B: int) -> _Schedule:
-        b = _bucket(B)
-        if b not in self._schedules:
-            arms = [_Arm() for _ in range(self.k + 1)]
-            self._schedules[b] = _Schedule(arms, interval=self.explore_every, next_explore=self.explore_every)
-        return self._schedules[b]
-
-    def _best(self, s: _Schedule) -> int:
-        rate = [a.rate for a in s.arms]
-        best = max(range(self.k + 1), key=rate.__getitem__)
-        # Near a tie plain decoding wins: timings are noisy and drafting must clearly pay.
-        return best if rate[best] > self.margin * rate[0] else 0
-
     def _plan_k(self, B: int) -> int:
         if self.max_batch_size is not None and B > self.max_batch_size:
             return 0
-        if not self.adaptive:
-            return self.k
-        s = self._schedule(B)
-        s.steps += 1
-        untried = [j for j in range(self.k, -1, -1) if s.arms[j].n == 0]
-        if untried:
-            return untried[0]
-        if s.exploring >= 0 and s.steps - s.explore_began > 4 * self.explore_steps:
-            self._end_exploration(s)  # its draft count could not run (no row wanted to draft)
-        if s.exploring >= 0:
-            return s.exploring
-        best = self._best(s)
-        if s.steps >= s.next_explore:
-            # Re-measure the stalest other choice for a few steps: costs drift (context length,
-            # batch mix, acceptance), and a choice never tried again can never win back.
-            s.incumbent = best
-            s.exploring = min((j for j in range(self.k + 1) if j != best), key=lambda j: s.arms[j].last_used)
-            s.explore_left, s.explore_began = self.explore_steps, s.steps
-            return s.exploring
-        return best
+        return self.schedule.choose(B) if self.adaptive else self.k
 
-    def _end_exploration(self, s: _Schedule) -> None:
-        s.exploring = -1
-        # While explorations keep confirming the incumbent they back off (at most one step in
-        # max_explore_every is then spent on a losing choice); a change of winner resets them.
-        confirmed = self._best(s) == s.incumbent
-        s.interval = min(2 * s.interval, self.max_explore_every) if confirmed else self.explore_every
-        s.next_explore = s.steps + s.interval
+    def _shape(self, cache: BatchCache, B: int, k: int) -> tuple[int, ...]:
+        """What a step's kernels are specialized on: the batch, the draft count and the KV
+        buffers' capacities (a grown buffer is a copy, and on CUDA a new attention plan)."""
+        kv = next((c for c in cache.layers if isinstance(c, RaggedKVCache)), None)
+        caps = [c.keys.shape[2] if c is not None and c.keys is not None else 0 for c in (kv, self._cache[0])]
+        return (B, k, *caps)
 
     def _record(
-        self, B: int, k: int, drafting: list[bool], accepted: list[int], tokens: int, seconds: float
+        self, cache: BatchCache, B: int, k: int, drafting: list[bool], accepted: list[int], tokens: int,
+        seconds: float,
     ) -> None:
         if k:
             self.steps_with_mtp += 1
@@ -644,22 +571,14 @@ class MTPDecode:
         caught_up, self._caught_up = self._caught_up, False
         if not self.adaptive or (self.max_batch_size is not None and B > self.max_batch_size):
             return
-        # Not timed: the first step of a shape (kernel compilation, tracing) and a head sync
-        # resuming after plain steps (a one-off, not the draft count's steady cost).
-        if (B, k) not in self._seen_shapes:
-            self._seen_shapes.add((B, k))
+        # Not timed: the first step of a shape (compilation, tracing, CUDA plans, a grown buffer)
+        # and a head sync resuming after plain steps (a one-off, not the draft count's steady cost).
+        shape = self._shape(cache, B, k)
+        if shape not in self._seen_shapes:
+            self._seen_shapes.add(shape)
             return
-        if caught_up:
-            return
-        s = self._schedule(B)
-        arm = s.arms[k]
-        arm.seconds.append(seconds / B)
-        arm.tokens.append(tokens / B)
-        arm.last_used = s.steps
-        if s.exploring == k:
-            s.explore_left -= 1
-            if s.explore_left <= 0:
-                self._end_exploration(s)
+        if not caught_up:
+            self.schedule.record(B, k, tokens / B, seconds / B)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -672,8 +591,6 @@ class MTPDecode:
             "accepted_histogram": list(self.accepted_histogram),
             "per_row_acceptance": self.per_row_acceptance,
             "adaptive": self.adaptive,
-            "throughput_by_batch": {
-                b: [round(a.rate, 1) if a.n else None for a in sched.arms]
-                for b, sched in sorted(self._schedules.items())
-            },
+            "throughput_by_batch": self.schedule.throughput_by_batch(),
+            "draft_count_by_batch": self.schedule.choice_by_batch(),
         }
