@@ -261,7 +261,7 @@ def measure(srv: Server, name: str, a, out: dict) -> None:
         out["host_mtp_status"] = status.get("mtp")
         if "plugins" in status:
             plug = status["plugins"].get("mtp-routing", {})
-            out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine")}
+            out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine", "mtp")}
 
 
 def ratios(host: dict, plugin: dict) -> dict:

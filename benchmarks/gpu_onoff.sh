@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU: the adaptive MTP schedule in the engine's staggered trace and through the server, on/off
+# side by side (the plugin with --enable-mtp against the plugin without it), for the adaptive
+# default and for --mtp-schedule always. Staging and the two device calls as in gpu_serve.sh; the
+# second call runs `bash benchmarks/gpu_onoff.sh` with OUT set.
+# Environment: ONOFF_SCHEDULES (default "adaptive always"), ONOFF_TRACE (default 1),
+# ONOFF_REQS (serve_bench --requests-per-slot, default 3), SITE, OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD SITE=${SITE:-/root/site} PY=${PY:-python3}
+OUT=${OUT:-$REPO/benchmarks/results/gpu_onoff}
+mkdir -p "$OUT"
+. benchmarks/gpu_setup.sh || exit $?
+if [ "${ONOFF_TRACE:-1}" = 1 ]; then
+  timeout -k 5 150 $PY benchmarks/gpu_step_trace.py --batch 8 --max-tokens 128 --staggered \
+      --order plain,mtp,adaptive,plain,mtp,adaptive 2>&1 | tee "$OUT/trace_staggered.txt" | grep -v "^ "
+fi
+for sched in ${ONOFF_SCHEDULES:-adaptive always}; do
+  timeout -k 5 220 $PY benchmarks/serve_bench.py --model trained --no-mtp --no-mixed --warmup-all \
+      --concurrency 1,2,4,8 --max-tokens 128 --requests-per-slot "${ONOFF_REQS:-3}" \
+      --server-cmd "$PY $REPO/benchmarks/vllm_mlx_launcher.py --site $SITE" --out-dir "$OUT" \
+      --name "serve_onoff_$sched" "--host-flags=--plugins mtp-routing" \
+      "--plugin-flags=--enable-mtp --mtp-schedule $sched" 2>&1 | tail -25
+done
