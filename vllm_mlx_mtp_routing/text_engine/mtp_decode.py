@@ -292,7 +292,7 @@ class MTPDecode:
         self.draft_hook = draft_hook
         self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
         self._rows: list[_Row] = []
-        self._seen_shapes: set[tuple[int, ...]] = set()
+        self._last_shape: tuple[int, ...] = ()
         self._caught_up = False  # this step's head sync resumed after plain steps (not timed)
         self.drafted = 0
         self.accepted = 0
@@ -571,13 +571,13 @@ class MTPDecode:
         caught_up, self._caught_up = self._caught_up, False
         if not self.adaptive or (self.max_batch_size is not None and B > self.max_batch_size):
             return
-        # Not timed: the first step of a shape (compilation, tracing, CUDA plans, a grown buffer)
-        # and a head sync resuming after plain steps (a one-off, not the draft count's steady cost).
+        # Timed only in a steady run: the step before had the same shape. The first step of a
+        # shape compiles, traces or plans (CUDA) and the first after a switch pays for the
+        # switch (the previous step's work still in flight, the head resuming after plain steps);
+        # that is what a switch costs, not what a draft count costs per step.
         shape = self._shape(cache, B, k)
-        if shape not in self._seen_shapes:
-            self._seen_shapes.add(shape)
-            return
-        if not caught_up:
+        steady, self._last_shape = shape == self._last_shape, shape
+        if steady and not caught_up:
             self.schedule.record(B, k, tokens / B, seconds / B)
 
     def stats(self) -> dict[str, Any]:
