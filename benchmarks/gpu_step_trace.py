@@ -86,6 +86,11 @@ def main() -> None:
               f"median {med:.2f} p90 {ts[int(0.9 * len(ts))]:.2f} max {ts[-1]:.1f} ms; "
               f">3x median: {sum(x > 3 * med for x in ts)}; first 12: {[round(x, 1) for x in d.times[:12]]}; "
               f"slow (step, ms, (B, drafting, KV slots)): {slow}", flush=True)
+        by: dict[tuple[int, int], list[float]] = {}
+        for x, (B, k, _) in zip(d.times, d.shapes):
+            by.setdefault((B, k), []).append(x)
+        print("   median ms by (B, drafts):", {f"{B},{k}": (len(v), round(statistics.median(v), 2))
+                                                for (B, k), v in sorted(by.items())}, flush=True)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,41 @@ of each `--site DIR` (site.addsitedir), then the same entry point as the `vllm-m
 
   python benchmarks/vllm_mlx_launcher.py --site /root/site serve MODEL --mllm ... --plugins mtp-routing
   python benchmarks/serve_bench.py --server-cmd "python benchmarks/vllm_mlx_launcher.py --site /root/site"
+
+MTP_STEP_TRACE=FILE appends one JSON line per text-path MTP step (batch, drafts, milliseconds) and per
+sample the adaptive schedule times (diagnosis of the schedule inside a server).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import site
 import sys
+import time
+
+
+def trace_mtp_steps(path: str) -> None:
+    from vllm_mlx_mtp_routing.text_engine.draft_schedule import DraftSchedule
+    from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+
+    out = open(path, "a", buffering=1)
+    step, record = MTPDecode.step, DraftSchedule.record
+
+    def traced_step(self, model, cache, inputs, samplers):
+        t = time.perf_counter()
+        r = step(self, model, cache, inputs, samplers)
+        ms = 1000 * (time.perf_counter() - t)
+        out.write(json.dumps({"t": round(t, 4), "B": len(inputs), "k": max(r.drafted, default=0), "ms": round(ms, 2),
+                              "tokens": sum(map(len, r.tokens))}) + "\n")
+        return r
+
+    def traced_record(self, batch, drafts, tokens_per_row, seconds_per_row):
+        out.write(json.dumps({"timed": [batch, drafts, round(tokens_per_row, 3), round(1000 * seconds_per_row, 3)],
+                              "choice": self.choice_by_batch()}) + "\n")
+        record(self, batch, drafts, tokens_per_row, seconds_per_row)
+
+    MTPDecode.step, DraftSchedule.record = traced_step, traced_record
 
 
 def main(argv: list[str]) -> int:
@@ -23,6 +52,9 @@ def main(argv: list[str]) -> int:
         rest = rest[2:]
     # imported only now: the bootstrap's hook must be armed before vllm_mlx.cli loads
     from vllm_mlx.cli import main as vllm_mlx_main
+
+    if os.environ.get("MTP_STEP_TRACE"):
+        trace_mtp_steps(os.environ["MTP_STEP_TRACE"])
 
     sys.argv = ["vllm-mlx", *rest]
     return vllm_mlx_main() or 0

@@ -96,3 +96,17 @@ def test_larger_k_is_chosen_where_it_pays_more():
 
     chosen = simulate(DraftSchedule(2), costs, 1500)
     assert chosen[200:].count(2) / len(chosen[200:]) > 0.95
+
+
+def test_a_slow_phase_of_the_machine_does_not_flip_the_choice():
+    """Every step 3x slower for 150 steps (a launch-bound GPU whose host is busy): both arms slow
+    alike, so comparing the challenger with the current arm's latest steps keeps the choice."""
+    def slow_phase(t, k):
+        tokens, seconds = mtp_pays(t, k)
+        return tokens, seconds * (3.0 if 530 <= t < 680 else 1.0)
+
+    for seed in range(5):
+        sched = DraftSchedule(1)
+        chosen = simulate(sched, slow_phase, 1000, seed=seed)
+        assert sched.switches == 0
+        assert chosen[450:1000].count(0) <= 4 * sched.explore_steps

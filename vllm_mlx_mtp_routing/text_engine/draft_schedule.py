@@ -1,14 +1,16 @@
 """How many tokens to draft this step (0..k), chosen from measured throughput per batch size.
 
-Each batch-size bucket (1, 2, 3-4, 5-8, ...) keeps one ``Arm`` per draft count: the median
-seconds and mean tokens per row-step of its recent timed steps. The choice is the arm with the
-best tokens per second, with hysteresis: another arm must beat the current one by ``margin`` to
-take over, so near break-even the schedule does not flip on timing noise (each flip back to
-drafting costs the MTP head a catch-up that is never timed). The current arm's numbers are always
-fresh; the others' go stale, so every ``interval`` steps the stalest other arm runs for
-``explore_steps`` timed steps. The interval doubles, up to ``max_explore_every``, unless an
-exploration finds a clearly better arm (``reset_gain``): near a tie a wrong choice costs little
-and exploring costs a catch-up each time, so exploring backs off there too.
+Each batch-size bucket (1, 2, 3-4, 5-8, ...) keeps one ``Arm`` per draft count: its recent step
+times and tokens per row-step. Decisions compare arms measured back to back: every ``interval``
+steps the stalest other arm runs for ``explore_steps`` timed steps and is judged against the
+current arm's last steps just before, so a slow phase of the machine (another process, a busy
+host thread: on a launch-bound GPU every step slows 3-4x for a second or two) weighs on both
+sides alike instead of on whichever arm happened to be timed then. A challenger must beat the
+current arm by ``margin``; the interval doubles, up to ``max_explore_every``, unless it finds a
+clearly better arm (``reset_gain``): near a tie a wrong choice costs little and each exploration
+costs the MTP head a catch-up. When the current arm's own recent rate falls clearly below what it
+was last confirmed at (acceptance dropped, the batch got longer contexts), an exploration starts
+early; the current arm is never dropped on stale numbers alone.
 
 The caller decides which steps are timed: a step that compiles or plans a new shape, grows a
 cache buffer or resumes the head after plain steps is a one-off, not an arm's steady cost.
@@ -23,9 +25,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Arm:
-    """Recent cost and yield of one draft count, per row-step: the median step time (robust to
-    load spikes) and the mean tokens emitted (acceptance is a coin per step; a median of it is
-    biased)."""
+    """Recent cost and yield of one draft count, per row-step: step times (medians: robust to
+    load spikes) and tokens emitted (a mean: acceptance is a coin per step, a median of it is
+    biased; the machine's speed does not move it, so a longer history is kept)."""
 
     seconds: deque = field(default_factory=lambda: deque(maxlen=9))
     tokens: deque = field(default_factory=lambda: deque(maxlen=16))
@@ -35,9 +37,10 @@ class Arm:
     def n(self) -> int:
         return len(self.seconds)
 
-    @property
-    def rate(self) -> float:
-        return statistics.fmean(self.tokens) / statistics.median(self.seconds) if self.seconds else 0.0
+    def rate(self, last: int = 0) -> float:
+        """Tokens per second per row, from the last ``last`` step times (0: all kept)."""
+        secs = list(self.seconds)[-last:] if last else self.seconds
+        return statistics.fmean(self.tokens) / statistics.median(secs) if secs else 0.0
 
 
 @dataclass
@@ -45,13 +48,15 @@ class _Bucket:
     arms: list[Arm]
     interval: int  # steps between explorations
     current: int = 0  # the chosen draft count
+    decided: bool = False  # every arm was timed and a first choice made
     steps: int = 0
     next_explore: int = 0
+    last_explored: int = 0
     exploring: int = -1  # the draft count being explored, -1 when none
     explore_left: int = 0  # timed steps the exploration still needs
     explore_began: int = 0
-    before: int = 0  # the choice when the running exploration began
-    decided: bool = False  # a choice was made with every arm timed
+    reference: float = 0.0  # the current arm's rate just before the running exploration
+    baseline: float = 0.0  # the current arm's rate when it was last confirmed
 
 
 def bucket_of(batch: int) -> int:
@@ -76,13 +81,13 @@ class DraftSchedule:
         self.margin = margin
         self.reset_gain = reset_gain
         self._buckets: dict[int, _Bucket] = {}
-        self.switches = 0  # changes of choice after every arm was timed (for stats and tests)
+        self.switches = 0  # changes of choice after the first (for stats and tests)
 
     def _bucket(self, batch: int) -> _Bucket:
         b = bucket_of(batch)
         if b not in self._buckets:
             arms = [Arm() for _ in range(self.k + 1)]
-            self._buckets[b] = _Bucket(arms, interval=self.explore_every, next_explore=self.explore_every)
+            self._buckets[b] = _Bucket(arms, interval=self.explore_every)
         return self._buckets[b]
 
     def choose(self, batch: int) -> int:
@@ -92,27 +97,34 @@ class DraftSchedule:
         untried = [j for j in range(self.k, -1, -1) if s.arms[j].n == 0]
         if untried:
             return untried[0]
+        if not s.decided:
+            # The arms were just timed one after another. Plain decoding unless drafting pays
+            # by the margin.
+            rate = [a.rate() for a in s.arms]
+            best = max(range(self.k + 1), key=rate.__getitem__)
+            s.current = best if rate[best] > self.margin * rate[0] else 0
+            s.decided, s.baseline = True, rate[s.current]
+            s.next_explore = s.last_explored = s.steps
+            s.next_explore += s.interval
         if s.exploring >= 0 and s.steps - s.explore_began > 4 * self.explore_steps:
             self._end_exploration(s)  # its draft count could not run (no row wanted to draft)
         if s.exploring >= 0:
             return s.exploring
-        current = self._decide(s)
-        if s.steps >= s.next_explore:
-            s.before = current
-            s.exploring = min((j for j in range(self.k + 1) if j != current), key=lambda j: s.arms[j].last_used)
+        recent = s.arms[s.current].rate(self.explore_steps)
+        degraded = recent * self.reset_gain < s.baseline and s.steps - s.last_explored >= self.explore_every
+        if s.steps >= s.next_explore or degraded:
+            s.reference = recent
+            s.exploring = min((j for j in range(self.k + 1) if j != s.current), key=lambda j: s.arms[j].last_used)
             s.explore_left, s.explore_began = self.explore_steps, s.steps
             return s.exploring
-        return current
+        return s.current
 
     def record(self, batch: int, drafts: int, tokens_per_row: float, seconds_per_row: float) -> None:
         """A timed step of ``batch`` rows that drafted ``drafts`` tokens."""
         s = self._bucket(batch)
         arm = s.arms[drafts]
         if s.exploring == drafts and s.explore_left == self.explore_steps:
-            # Its old samples describe another time (context length, acceptance, batch mix);
-            # mixed in, they would outvote what the exploration measures now.
-            arm.seconds.clear()
-            arm.tokens.clear()
+            arm.seconds.clear()  # its step times are judged only against the current arm's latest
         arm.seconds.append(seconds_per_row)
         arm.tokens.append(tokens_per_row)
         arm.last_used = s.steps
@@ -121,28 +133,23 @@ class DraftSchedule:
             if s.explore_left <= 0:
                 self._end_exploration(s)
 
-    def _decide(self, s: _Bucket) -> int:
-        rate = [a.rate for a in s.arms]
-        best = max(range(self.k + 1), key=rate.__getitem__)
-        # The first choice starts from plain: drafting must show that it pays by the margin.
-        if rate[best] > self.margin * rate[s.current]:
-            self.switches += s.decided and best != s.current
-            s.current = best
-        s.decided = True
-        return s.current
-
     def _end_exploration(self, s: _Bucket) -> None:
-        s.exploring = -1
-        rate = [a.rate for a in s.arms]
-        after = self._decide(s)
-        clear_change = after != s.before and rate[after] > self.reset_gain * rate[s.before]
+        j, s.exploring = s.exploring, -1
+        challenger = s.arms[j].rate() if s.explore_left <= 0 else 0.0
+        switched = challenger > self.margin * s.reference
+        if switched:
+            self.switches += 1
+            s.current = j
+        s.baseline = challenger if switched else s.reference
+        clear_change = switched and challenger > self.reset_gain * s.reference
         s.interval = self.explore_every if clear_change else min(2 * s.interval, self.max_explore_every)
+        s.last_explored = s.steps
         s.next_explore = s.steps + s.interval
 
     def throughput_by_batch(self) -> dict[int, list[float | None]]:
         """Per bucket, tokens per second per row of each draft count (None: not timed yet)."""
         return {
-            b: [round(a.rate, 1) if a.n else None for a in s.arms] for b, s in sorted(self._buckets.items())
+            b: [round(a.rate(), 1) if a.n else None for a in s.arms] for b, s in sorted(self._buckets.items())
         }
 
     def choice_by_batch(self) -> dict[int, int]:
