@@ -110,3 +110,17 @@ def test_a_slow_phase_of_the_machine_does_not_flip_the_choice():
         chosen = simulate(sched, slow_phase, 1000, seed=seed)
         assert sched.switches == 0
         assert chosen[450:1000].count(0) <= 4 * sched.explore_steps
+
+
+def test_a_challengers_old_yield_does_not_keep_it_out():
+    """Drafting yielded little for a while (short requests: rows stop drafting near their end), then
+    pays: the next exploration measures its yield afresh and switches."""
+    def short_then_long(t, k):
+        return ((1.1 if t < 800 else 1.9), 0.014) if k else (1.0, 0.010)
+
+    sched = DraftSchedule(1)
+    chosen = simulate(sched, short_then_long, 1400)
+    assert chosen[600:800].count(1) <= 2 * sched.explore_rows
+    first = 800 + next(i for i, k in enumerate(chosen[800:]) if k == 1)
+    assert first <= 800 + 256 + 1
+    assert chosen[first + 20 :].count(1) / len(chosen[first + 20 :]) > 0.95

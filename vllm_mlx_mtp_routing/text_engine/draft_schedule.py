@@ -2,7 +2,8 @@
 
 Each batch-size bucket (1, 2, 3-4, 5-8, ...) keeps one ``Arm`` per draft count: its recent step
 times and tokens per row-step. Decisions compare arms measured back to back: every ``interval``
-steps the stalest other arm runs for ``explore_steps`` timed steps and is judged against the
+steps the stalest other arm runs for ``explore_steps`` timed steps (and at least
+``explore_rows`` row-steps, for a yield that is not one coin) and is judged against the
 current arm's last steps just before, so a slow phase of the machine (another process, a busy
 host thread: on a launch-bound GPU every step slows 3-4x for a second or two) weighs on both
 sides alike instead of on whichever arm happened to be timed then. A challenger must beat the
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Arm:
-    """Recent cost and yield of one draft count, per row-step: step times (medians: robust to
+    """Recent cost and yield of one draft count, per row-step: step times (a median: robust to
     load spikes) and tokens emitted (a mean: acceptance is a coin per step, a median of it is
     biased; the machine's speed does not move it, so a longer history is kept)."""
 
@@ -54,6 +55,7 @@ class _Bucket:
     last_explored: int = 0
     exploring: int = -1  # the draft count being explored, -1 when none
     explore_left: int = 0  # timed steps the exploration still needs
+    explore_rows: int = 0  # row-steps it still needs
     explore_began: int = 0
     reference: float = 0.0  # the current arm's rate just before the running exploration
     baseline: float = 0.0  # the current arm's rate when it was last confirmed
@@ -70,11 +72,13 @@ class DraftSchedule:
         *,
         explore_every: int = 16,
         max_explore_every: int = 256,
-        explore_steps: int = 3,
+        explore_steps: int = 5,
+        explore_rows: int = 8,
         margin: float = 1.03,
         reset_gain: float = 1.15,
     ) -> None:
         self.k = k
+        self.explore_rows = explore_rows
         self.explore_every = explore_every
         self.max_explore_every = max(max_explore_every, explore_every)
         self.explore_steps = explore_steps
@@ -106,7 +110,7 @@ class DraftSchedule:
             s.decided, s.baseline = True, rate[s.current]
             s.next_explore = s.last_explored = s.steps
             s.next_explore += s.interval
-        if s.exploring >= 0 and s.steps - s.explore_began > 4 * self.explore_steps:
+        if s.exploring >= 0 and s.steps - s.explore_began > 4 * max(self.explore_steps, self.explore_rows):
             self._end_exploration(s)  # its draft count could not run (no row wanted to draft)
         if s.exploring >= 0:
             return s.exploring
@@ -115,7 +119,7 @@ class DraftSchedule:
         if s.steps >= s.next_explore or degraded:
             s.reference = recent
             s.exploring = min((j for j in range(self.k + 1) if j != s.current), key=lambda j: s.arms[j].last_used)
-            s.explore_left, s.explore_began = self.explore_steps, s.steps
+            s.explore_left, s.explore_rows, s.explore_began = self.explore_steps, self.explore_rows, s.steps
             return s.exploring
         return s.current
 
@@ -124,18 +128,22 @@ class DraftSchedule:
         s = self._bucket(batch)
         arm = s.arms[drafts]
         if s.exploring == drafts and s.explore_left == self.explore_steps:
-            arm.seconds.clear()  # its step times are judged only against the current arm's latest
+            # Measured afresh: its step times are judged against the current arm's latest, and its
+            # old yield may come from other requests (short ones, where rows stop drafting).
+            arm.seconds.clear()
+            arm.tokens.clear()
         arm.seconds.append(seconds_per_row)
         arm.tokens.append(tokens_per_row)
         arm.last_used = s.steps
         if s.exploring == drafts:
             s.explore_left -= 1
-            if s.explore_left <= 0:
+            s.explore_rows -= batch
+            if s.explore_left <= 0 and s.explore_rows <= 0:  # enough steps, and rows for a yield
                 self._end_exploration(s)
 
     def _end_exploration(self, s: _Bucket) -> None:
         j, s.exploring = s.exploring, -1
-        challenger = s.arms[j].rate() if s.explore_left <= 0 else 0.0
+        challenger = s.arms[j].rate() if s.explore_left <= 0 and s.explore_rows <= 0 else 0.0
         switched = challenger > self.margin * s.reference
         if switched:
             self.switches += 1

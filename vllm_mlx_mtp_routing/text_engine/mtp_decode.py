@@ -265,7 +265,7 @@ class MTPDecode:
         probe_every: int = 16,
         explore_every: int = 16,
         max_explore_every: int = 256,
-        explore_steps: int = 3,
+        explore_steps: int = 5,
         margin: float = 1.03,
         reset_gain: float = 1.15,
         resume_window: int = 8,
