@@ -264,6 +264,48 @@ def measure(srv: Server, name: str, a, out: dict) -> None:
             out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine", "mtp")}
 
 
+def bench_interleaved(configs: list[tuple[str, list[str]]], model: Path, a, log_dir: Path) -> list[dict]:
+    """Both servers up at once (one GPU, two processes); per concurrency, ``a.interleave`` rounds
+    each, alternating which server goes first: a slow phase of the machine (the GPU host's CPU
+    busy for a second or two slows a launch-bound model 3-4x) then weighs on both alike, where
+    measuring one server after the other puts it all on one side."""
+    cmd = shlex.split(a.server_cmd) if a.server_cmd else None
+    outs = [{"name": n, "flags": f, "text": {}, "interleaved_rounds": a.interleave} for n, f in configs]
+    with contextlib.ExitStack() as stack:
+        srvs = []
+        for out, (_, flags) in zip(outs, configs):
+            t0 = time.perf_counter()
+            srvs.append(stack.enter_context(serve(model, flags, log_dir, server_cmd=cmd)))
+            out["startup_s"] = time.perf_counter() - t0
+        for srv in srvs:
+            asyncio.run(run_round(srv.url, srv.model, 2, 2, 8, 0, 10_000))
+            for c in a.concurrency if a.warmup_all else []:
+                asyncio.run(run_round(srv.url, srv.model, c, c, 8, 0, 20_000))
+        try:
+            for c in a.concurrency:
+                n = max(c, int(c * a.requests_per_slot))
+                acc = [([], 0.0) for _ in srvs]
+                for r in range(a.interleave):
+                    order = range(len(srvs)) if r % 2 == 0 else reversed(range(len(srvs)))
+                    for i in order:
+                        res, wall = asyncio.run(run_round(srvs[i].url, srvs[i].model, c, n, a.max_tokens, 0, c * 100))
+                        acc[i] = (acc[i][0] + res, acc[i][1] + wall)
+                for out, (res, wall) in zip(outs, acc):
+                    out["text"][str(c)] = summarize(res, wall)
+                    print(f"[{out['name']}] c={c}: {json.dumps(out['text'][str(c)])}", file=sys.stderr, flush=True)
+        except Interrupted as e:
+            for out in outs:
+                out["interrupted"] = str(e)
+        for out, srv in zip(outs, srvs):
+            with contextlib.suppress(Exception):
+                status = httpx.get(f"{srv.url}/v1/status", timeout=10).json()
+                out["mtp_acceptance"] = find_acceptance(status)
+                if "plugins" in status:
+                    plug = status["plugins"].get("mtp-routing", {})
+                    out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine", "mtp")}
+    return outs
+
+
 def ratios(host: dict, plugin: dict) -> dict:
     def r(x, y):
         return (x / y) if (x is not None and y) else None
@@ -424,6 +466,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-all", action="store_true",
                     help="warm up at every concurrency too (8 tokens each), not only at 2")
     ap.add_argument("--mixed-concurrency", type=int, default=4)
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="run both servers at once and alternate N rounds each per concurrency (text only)")
     ap.add_argument("--no-mtp", action="store_true", help="leave --enable-mtp off")
     ap.add_argument("--host-flags", default="", help="extra flags for both servers")
     ap.add_argument("--plugin-flags", default="--plugins mtp-routing",
@@ -451,6 +495,12 @@ def main(argv=None) -> int:
         if not a.no_plugin:
             configs.append(("plugin", base + a.plugin_flags.split()))
         results = []
+        if a.interleave and len(configs) == 2:
+            try:
+                results = bench_interleaved(configs, model, a, tmp)
+            except RuntimeError as e:
+                results = [{"name": n, "flags": f, "failed": str(e)[-2000:], "text": {}} for n, f in configs]
+            configs = []
         for name, flags in configs:
             try:
                 results.append(bench_config(name, model, flags, a, tmp))
@@ -481,7 +531,7 @@ def main(argv=None) -> int:
     (a.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (a.out_dir / f"{stem}.md").write_text(markdown(report))
     print(json.dumps(report))
-    complete = len(ok) == len(configs) and not any("interrupted" in c for c in ok)
+    complete = len(ok) == len(results) and not any("interrupted" in c for c in ok)
     return 0 if complete else 1
 
 

@@ -114,10 +114,13 @@ class DraftSchedule:
             self._end_exploration(s)  # its draft count could not run (no row wanted to draft)
         if s.exploring >= 0:
             return s.exploring
-        recent = s.arms[s.current].rate(self.explore_steps)
-        degraded = recent * self.reset_gain < s.baseline and s.steps - s.last_explored >= self.explore_every
+        current = s.arms[s.current]
+        degraded = (current.rate(self.explore_steps) * self.reset_gain < s.baseline
+                    and s.steps - s.last_explored >= self.explore_every)
         if s.steps >= s.next_explore or degraded:
-            s.reference = recent
+            # The current arm's kept steps are its latest (it runs every step): a median over all
+            # of them, so that one noisy moment just before does not decide.
+            s.reference = current.rate()
             s.exploring = min((j for j in range(self.k + 1) if j != s.current), key=lambda j: s.arms[j].last_used)
             s.explore_left, s.explore_rows, s.explore_began = self.explore_steps, self.explore_rows, s.steps
             return s.exploring
