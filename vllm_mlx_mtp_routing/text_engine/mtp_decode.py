@@ -32,7 +32,8 @@ Adaptivity (``adaptive=True``): per row, drafting pauses while the row's recent 
 EMA) is below ``min_row_acceptance``, probing again every ``probe_every`` steps; per step, the
 number of drafts (0..k) is chosen by measured throughput per batch-size bucket
 (``DraftSchedule``: hysteresis near a tie, explorations that back off). Steps that compile or
-plan a new shape (batch, draft count, KV buffer capacity) or resume the head are not timed.
+plan a new shape (batch, draft count, KV buffer capacity) or resume the head are not timed; a
+timed step counts from the end of the one before, so the per-step work around it counts too.
 ``max_batch_size`` turns drafting off above a batch size outright.
 
 Seeds: every random number comes from the row's own ``RowSampler`` key stream, a fixed number of
@@ -293,6 +294,11 @@ class MTPDecode:
         self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
         self._rows: list[_Row] = []
         self._last_shape: tuple[int, ...] = ()
+        # End of the last step, None after a join or leave. A step is timed from there (when the
+        # batch did not change in between): the whole cycle, with the scheduler's and the
+        # server's own per-step work (outputs, streaming), which drafting also divides by the
+        # tokens a step yields.
+        self._last_end: float | None = None
         self._caught_up = False  # this step's head sync resumed after plain steps (not timed)
         self.drafted = 0
         self.accepted = 0
@@ -327,6 +333,7 @@ class MTPDecode:
     def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
         for rc, c in zip(self._cache, row.get("mtp_cache") or self.head.make_cache()):
             rc.add_row(c)
+        self._last_end = None
         r = _Row(history=list(prompt_ids), prompt_len=len(prompt_ids))
         if "h_last" in row:
             r.add_pending(row["h_last"], 0, prompt_ids[-1:])
@@ -336,13 +343,13 @@ class MTPDecode:
         for c in self._cache:
             c.filter(keep)
         self._rows = [self._rows[i] for i in keep]
+        self._last_end = None
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(
         self, model: nn.Module, cache: BatchCache, inputs: list[int], samplers: list[RowSampler]
     ) -> DecodeResult:
-        tic = time.perf_counter()
         rows, B = self._rows, len(inputs)
         if len(rows) != B:
             raise RuntimeError(f"MTPDecode holds {len(rows)} rows, the batch has {B}")
@@ -371,7 +378,10 @@ class MTPDecode:
             r.history.extend(toks)
         # Started, not awaited: the rollback runs while the scheduler does its bookkeeping.
         mx.async_eval(cache.state(), [c.state for c in self._cache])
-        self._record(cache, B, k, drafting, accepted, sum(keep), time.perf_counter() - tic)
+        end = time.perf_counter()
+        cycle = None if self._last_end is None else end - self._last_end
+        self._last_end = end
+        self._record(cache, B, k, drafting, accepted, sum(keep), cycle)
         return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted)
 
     # -- drafting ---------------------------------------------------------------------------
@@ -577,7 +587,7 @@ class MTPDecode:
         # that is what a switch costs, not what a draft count costs per step.
         shape = self._shape(cache, B, k)
         steady, self._last_shape = shape == self._last_shape, shape
-        if steady and not caught_up:
+        if steady and not caught_up and seconds is not None:
             self.schedule.record(B, k, tokens / B, seconds / B)
 
     def stats(self) -> dict[str, Any]:
