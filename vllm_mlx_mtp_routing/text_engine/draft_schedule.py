@@ -115,7 +115,9 @@ class DraftSchedule:
         if s.exploring >= 0:
             return s.exploring
         current = s.arms[s.current]
-        degraded = (current.rate(self.explore_steps) * self.reset_gain < s.baseline
+        # Over all its kept steps and by more than a clear change: a noisy machine's slow patches
+        # must not trigger explorations (each costs a switch there and back).
+        degraded = (current.rate() * self.reset_gain**2 < s.baseline
                     and s.steps - s.last_explored >= self.explore_every)
         if s.steps >= s.next_explore or degraded:
             # The current arm's kept steps are its latest (it runs every step): a median over all
