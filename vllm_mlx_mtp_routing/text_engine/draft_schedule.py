@@ -4,14 +4,14 @@ Each batch-size bucket (1, 2, 3-4, 5-8, ...) keeps one ``Arm`` per draft count: 
 times and tokens per row-step. Decisions compare arms measured back to back: every ``interval``
 steps the stalest other arm runs for ``explore_steps`` timed steps (and at least
 ``explore_rows`` row-steps, for a yield that is not one coin) and is judged against the
-current arm's last steps just before, so a slow phase of the machine (another process, a busy
+current arm's latest steps, timed just before it, so a slow phase of the machine (another process, a busy
 host thread: on a launch-bound GPU every step slows 3-4x for a second or two) weighs on both
 sides alike instead of on whichever arm happened to be timed then. A challenger must beat the
 current arm by ``margin``; the interval doubles, up to ``max_explore_every``, unless it finds a
 clearly better arm (``reset_gain``): near a tie a wrong choice costs little and each exploration
-costs the MTP head a catch-up. When the current arm's own recent rate falls clearly below what it
-was last confirmed at (acceptance dropped, the batch got longer contexts), an exploration starts
-early; the current arm is never dropped on stale numbers alone.
+costs the MTP head a catch-up. When the current arm's own rate falls below what it was last
+confirmed at by more than ``reset_gain`` squared (acceptance dropped, the batch got longer
+contexts), an exploration starts early; the current arm is never dropped on stale numbers alone.
 
 The caller decides which steps are timed: a step that compiles or plans a new shape, grows a
 cache buffer or resumes the head after plain steps is a one-off, not an arm's steady cost.
@@ -38,10 +38,9 @@ class Arm:
     def n(self) -> int:
         return len(self.seconds)
 
-    def rate(self, last: int = 0) -> float:
-        """Tokens per second per row, from the last ``last`` step times (0: all kept)."""
-        secs = list(self.seconds)[-last:] if last else self.seconds
-        return statistics.fmean(self.tokens) / statistics.median(secs) if secs else 0.0
+    def rate(self) -> float:
+        """Tokens per second per row."""
+        return statistics.fmean(self.tokens) / statistics.median(self.seconds) if self.seconds else 0.0
 
 
 @dataclass
