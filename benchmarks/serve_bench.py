@@ -236,11 +236,7 @@ def bench_config(name: str, model: Path, flags: list[str], a, log_dir: Path) -> 
 
 
 def measure(srv: Server, name: str, a, out: dict) -> None:
-    # warm-up: compiles, caches and the first image path, kept out of the numbers; --warmup-all
-    # also meets every batch size once (a GPU backend compiles kernels per shape)
-    asyncio.run(run_round(srv.url, srv.model, 2, 2, 8, 2 if a.mixed else 0, 10_000))
-    for c in a.concurrency if a.warmup_all else []:
-        asyncio.run(run_round(srv.url, srv.model, c, c, 8, 0, 20_000))
+    warm_up(srv, a, media_every=2 if a.mixed else 0)
     rounds = out["text"]
     for c in a.concurrency:
         n = max(c, int(c * a.requests_per_slot))
@@ -255,6 +251,19 @@ def measure(srv: Server, name: str, a, out: dict) -> None:
                         "text": summarize([r for r in res if r.path == "text"], wall),
                         "media": summarize([r for r in res if r.path == "media"], wall)}
         print(f"[{name}] mixed: {json.dumps(out['mixed']['all'])}", file=sys.stderr, flush=True)
+    record_status(srv, out)
+
+
+def warm_up(srv: Server, a, media_every: int = 0) -> None:
+    """Compiles, caches and (media_every > 0) the first image path, kept out of the numbers;
+    --warmup-all also meets every batch size once (a GPU backend compiles kernels per shape)."""
+    asyncio.run(run_round(srv.url, srv.model, 2, 2, 8, media_every, 10_000))
+    for c in a.concurrency if a.warmup_all else []:
+        asyncio.run(run_round(srv.url, srv.model, c, c, 8, 0, 20_000))
+
+
+def record_status(srv: Server, out: dict) -> None:
+    """The server's MTP acceptance and the plugin's routing, text-path and MTP stats, into out."""
     with contextlib.suppress(Exception):
         status = httpx.get(f"{srv.url}/v1/status", timeout=10).json()
         out["mtp_acceptance"] = find_acceptance(status)
@@ -278,9 +287,7 @@ def bench_interleaved(configs: list[tuple[str, list[str]]], model: Path, a, log_
             srvs.append(stack.enter_context(serve(model, flags, log_dir, server_cmd=cmd)))
             out["startup_s"] = time.perf_counter() - t0
         for srv in srvs:
-            asyncio.run(run_round(srv.url, srv.model, 2, 2, 8, 0, 10_000))
-            for c in a.concurrency if a.warmup_all else []:
-                asyncio.run(run_round(srv.url, srv.model, c, c, 8, 0, 20_000))
+            warm_up(srv, a)
         try:
             for c in a.concurrency:
                 n = max(c, int(c * a.requests_per_slot))
@@ -297,12 +304,7 @@ def bench_interleaved(configs: list[tuple[str, list[str]]], model: Path, a, log_
             for out in outs:
                 out["interrupted"] = str(e)
         for out, srv in zip(outs, srvs):
-            with contextlib.suppress(Exception):
-                status = httpx.get(f"{srv.url}/v1/status", timeout=10).json()
-                out["mtp_acceptance"] = find_acceptance(status)
-                if "plugins" in status:
-                    plug = status["plugins"].get("mtp-routing", {})
-                    out["plugin_status"] = {k: plug.get(k) for k in ("routing", "text_path", "text_engine", "mtp")}
+            record_status(srv, out)
     return outs
 
 

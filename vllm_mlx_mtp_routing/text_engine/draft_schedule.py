@@ -97,18 +97,18 @@ class DraftSchedule:
         """The draft count for the next step of a batch of ``batch`` rows."""
         s = self._bucket(batch)
         s.steps += 1
-        untried = [j for j in range(self.k, -1, -1) if s.arms[j].n == 0]
-        if untried:
-            return untried[0]
         if not s.decided:
+            # Each arm is timed once, most drafts first; once timed an arm always keeps samples.
+            untried = [j for j in range(self.k, -1, -1) if s.arms[j].n == 0]
+            if untried:
+                return untried[0]
             # The arms were just timed one after another. Plain decoding unless drafting pays
             # by the margin.
             rate = [a.rate() for a in s.arms]
             best = max(range(self.k + 1), key=rate.__getitem__)
             s.current = best if rate[best] > self.margin * rate[0] else 0
             s.decided, s.baseline = True, rate[s.current]
-            s.next_explore = s.last_explored = s.steps
-            s.next_explore += s.interval
+            s.last_explored, s.next_explore = s.steps, s.steps + s.interval
         if s.exploring >= 0 and s.steps - s.explore_began > 4 * max(self.explore_steps, self.explore_rows):
             self._end_exploration(s)  # its draft count could not run (no row wanted to draft)
         if s.exploring >= 0:
