@@ -210,6 +210,28 @@ def test_adaptive_falls_back_when_drafts_are_rejected(tiny):
     assert MTPDecode(bundle.mtp, k=1, max_batch_size=1)._plan_k(2) == 0
 
 
+def test_a_low_acceptance_row_drafts_while_its_batch_does(tiny):
+    """Its padding would cost the verify what its draft does: a row whose drafts are always
+    rejected keeps drafting beside a row whose drafts are accepted, and stops once alone."""
+    bundle, tok = tiny
+    prompts = _prompts([6, 9], seed=3)
+    ref = _plain(bundle, tok, prompts, [30, 12])
+    truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [33, 15]))]
+    oracle = Oracle(prompts, truths, 1, bundle.model.args.vocab_size, lambda i, n: int(i == 1))
+    decode = Recording(bundle.mtp, k=1, adaptive=True, explore_every=10**9, probe_every=10**9, oracle=oracle)
+    decode.schedule.choose = lambda batch: 1  # the per-step choice is not under test here
+    jobs = [(0, p, SamplingOptions(max_tokens=m)) for p, m in zip(prompts, [30, 12])]
+    finals, _ = run(bundle, tok, jobs, decode)
+    assert [finals[i].token_ids for i in range(2)] == ref
+    pairs = [res.drafted for _, res in decode.log if len(res.drafted) == 2]
+    alone = [res.drafted for _, res in decode.log if len(res.drafted) == 1]
+    assert len(pairs) >= 5 and alone
+    # The rejected row drafts at every step of the pair, though its EMA falls below the floor
+    # after three; alone, it stops.
+    assert all(d[0] == 1 for d in pairs)
+    assert all(d == [0] for d in alone[2:])
+
+
 # -- sampling ---------------------------------------------------------------------------------
 
 

@@ -28,8 +28,10 @@ and nothing in correctness, since every draft is verified). The head always runs
 pairs per row, resuming in several such chunks: one shape per batch size, nothing is retraced or
 re-planned (on CUDA a new attention shape is a new cuDNN plan).
 
-Adaptivity (``adaptive=True``): per row, drafting pauses while the row's recent acceptance (an
-EMA) is below ``min_row_acceptance``, probing again every ``probe_every`` steps; per step, the
+Adaptivity (``adaptive=True``): a step drafts only while some row's recent acceptance (an EMA)
+is at least ``min_row_acceptance`` (rows probe again every ``probe_every`` steps); then every row
+that can draft does, since a row left out is fed padding that costs the verify what its draft
+would (pausing one row of a drafting batch saves nothing and loses its accepts). Per step, the
 number of drafts (0..k) is chosen by measured throughput per batch-size bucket
 (``DraftSchedule``: hysteresis near a tie, explorations that back off). Steps that compile or
 plan a new shape (batch, draft count, KV buffer capacity) or resume the head are not timed; a
@@ -354,9 +356,9 @@ class MTPDecode:
         if len(rows) != B:
             raise RuntimeError(f"MTPDecode holds {len(rows)} rows, the batch has {B}")
         k = self._plan_k(B)
-        drafting = [k > 0 and self._wants_draft(r, s) for r, s in zip(rows, samplers)]
-        if not any(drafting):
-            k = 0
+        drafting = [k > 0 and self._can_draft(r, s) for r, s in zip(rows, samplers)]
+        if not any(d and self._worth_drafting(r) for d, r in zip(drafting, rows)):
+            k, drafting = 0, [False] * B
         x = mx.array(inputs, dtype=mx.uint32)[:, None]
         drafts, qs = None, {}
         if k:
@@ -386,18 +388,18 @@ class MTPDecode:
 
     # -- drafting ---------------------------------------------------------------------------
 
-    def _wants_draft(self, r: _Row, s: RowSampler) -> bool:
+    def _can_draft(self, r: _Row, s: RowSampler) -> bool:
         if self.adaptive and s.options.seed is not None and not s.greedy:
             # Adaptive drafting decisions depend on the batch and on timing; a seeded sampled row
             # stays on plain decoding so its output is the same alone or in any batch.
             return False
         if not r.pending_t:  # a one-token prompt's first step: the head has no pair yet
             return False
-        if len(r.history) - r.prompt_len + 1 >= s.options.max_tokens:  # one token left
-            return False
-        if not self.adaptive or r.ema >= self.min_row_acceptance:
-            return True
-        return r.idle >= self.probe_every
+        return len(r.history) - r.prompt_len + 1 < s.options.max_tokens  # not at its last token
+
+    def _worth_drafting(self, r: _Row) -> bool:
+        """Whether this row alone makes a drafting step worth its head and its wider verify."""
+        return not self.adaptive or r.ema >= self.min_row_acceptance or r.idle >= self.probe_every
 
     def _pending_hidden(self, L: int) -> mx.array:
         """[B, L, H]: each row's pending hidden states, right-padded with zeros to L."""
