@@ -128,3 +128,17 @@ def test_a_challengers_old_yield_does_not_keep_it_out():
     # After a clear change explorations restart at 16 steps apart and back off again.
     after = chosen[first + 20 :]
     assert after.count(0) <= 6 * sched.explore_steps
+
+
+def test_a_dip_in_acceptance_does_not_keep_drafting_off():
+    """Each request's first steps accept half as often: the schedule may switch to plain there,
+    but must come back soon (a switch to fewer drafts shortens the interval; doubled instead, it
+    held plain for up to 256 steps and lost 4-6% against always drafting)."""
+    def dips(t, k):
+        return ((1.5 if t % 70 < 15 else 1.95), 0.016) if k else (1.0, 0.010)
+
+    always = sum(dips(t, 1)[0] for t in range(3000)) / sum(dips(t, 1)[1] for t in range(3000))
+    for seed in range(5):
+        chosen = simulate(DraftSchedule(1), dips, 3000, batch=1, seed=seed)
+        rate = sum(dips(t, k)[0] for t, k in enumerate(chosen)) / sum(dips(t, k)[1] for t, k in enumerate(chosen))
+        assert rate > 0.98 * always

@@ -2,16 +2,19 @@
 
 Each batch-size bucket (1, 2, 3-4, 5-8, ...) keeps one ``Arm`` per draft count: its recent step
 times and tokens per row-step. Decisions compare arms measured back to back: every ``interval``
-steps the stalest other arm runs for ``explore_steps`` timed steps (and at least
-``explore_rows`` row-steps, for a yield that is not one coin) and is judged against the
-current arm's latest steps, timed just before it, so a slow phase of the machine (another process, a busy
-host thread: on a launch-bound GPU every step slows 3-4x for a second or two) weighs on both
-sides alike instead of on whichever arm happened to be timed then. A challenger must beat the
-current arm by ``margin``; the interval doubles, up to ``max_explore_every``, unless it finds a
-clearly better arm (``reset_gain``): near a tie a wrong choice costs little and each exploration
-costs the MTP head a catch-up. When the current arm's own rate falls below what it was last
-confirmed at by more than ``reset_gain`` squared (acceptance dropped, the batch got longer
-contexts), an exploration starts early; the current arm is never dropped on stale numbers alone.
+steps the stalest other arm runs for ``explore_steps`` timed steps (and at least ``explore_rows``
+row-steps, for a yield that is not one coin) and is judged against the current arm's latest steps,
+timed just before it, so a slow phase of the machine (another process, a busy host thread: on a
+launch-bound GPU every step slows 3-4x for a second or two) weighs on both sides alike instead of
+on whichever arm happened to be timed then. A challenger must beat the current arm by ``margin``.
+Each confirmation doubles the interval, up to ``max_explore_every``: near a tie a wrong choice
+costs little and each exploration costs the MTP head a catch-up. A switch to fewer drafts quarters
+it instead, since nothing measures the drafts' acceptance while they are off, and a switch made in
+a passing dip of acceptance (a request's first tokens) must not hold for hundreds of steps; a
+clearly better arm (``reset_gain``) resets it. When the current arm's own rate falls below what it
+was last confirmed at by more than ``reset_gain`` squared (acceptance dropped, the batch got
+longer contexts), an exploration starts early; the current arm is never dropped on stale numbers
+alone.
 
 The caller decides which steps are timed: a step that compiles or plans a new shape, grows a
 cache buffer or resumes the head after plain steps is a one-off, not an arm's steady cost.
@@ -146,7 +149,7 @@ class DraftSchedule:
                 self._end_exploration(s)
 
     def _end_exploration(self, s: _Bucket) -> None:
-        j, s.exploring = s.exploring, -1
+        j, s.exploring, before = s.exploring, -1, s.current
         challenger = s.arms[j].rate() if s.explore_left <= 0 and s.explore_rows <= 0 else 0.0
         switched = challenger > self.margin * s.reference
         if switched:
@@ -154,7 +157,12 @@ class DraftSchedule:
             s.current = j
         s.baseline = challenger if switched else s.reference
         clear_change = switched and challenger > self.reset_gain * s.reference
-        s.interval = self.explore_every if clear_change else min(2 * s.interval, self.max_explore_every)
+        if clear_change:
+            s.interval = self.explore_every
+        elif switched and j < before:
+            s.interval = max(self.explore_every, s.interval // 4)
+        else:
+            s.interval = min(2 * s.interval, self.max_explore_every)
         s.last_explored = s.steps
         s.next_explore = s.steps + s.interval
 
