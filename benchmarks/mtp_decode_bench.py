@@ -36,6 +36,7 @@ Runs wherever MLX runs (CPU; NVIDIA GPUs through MLX's CUDA backend); no network
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -364,6 +365,10 @@ def main() -> None:
                 decode = kept[name] if reuse and kept[name] is not None else make()
                 kept[name] = decode
                 before = decode.stats() if hasattr(decode, "stats") else {}
+                # Every run starts from an empty buffer cache and no garbage: otherwise a run reuses
+                # (or pages in) buffers shaped by the configuration before it in the round.
+                gc.collect()
+                mx.clear_cache()
                 tokens, timed = run(bundle, tok, prompts, a.max_tokens, decode)
                 if rnd:
                     runs[name].append((timed.tokens / timed.seconds, tokens, stats_delta(decode, before)))

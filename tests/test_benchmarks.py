@@ -11,6 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import matmul_scaling as MS  # noqa: E402
 import serve_bench as SB  # noqa: E402
 import step_costs as SC  # noqa: E402
 
@@ -25,6 +26,14 @@ def test_step_costs_tiny_cpu(tmp_path: Path) -> None:
         assert r["t1_ms"] > 0 and r["t2_ms"] > 0 and r["tm_ms"] > 0
         assert r["projected_mtp_speedup"] == pytest.approx(1.8 * r["t1_ms"] / (r["t2_ms"] + r["tm_ms"]))
         assert set(r["projected_by_acceptance"]) == {"0.8000", "0.5000"}
+
+
+def test_matmul_scaling_writes_every_shape(tmp_path: Path) -> None:
+    out = tmp_path / "mm.json"
+    MS.main(["--rows", "1,2", "--dtypes", "float32", "--iters", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["rows"]) for r in rows] == [("tiny", 1), ("tiny", 2), ("qwen35-2b", 1), ("qwen35-2b", 2)]
+    assert all(r["us"] > 0 and r["gflops"] > 0 for r in rows) and rows[0]["vs_one_row"] == 1.0
 
 
 def test_projection_breakeven() -> None:
