@@ -15,11 +15,12 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.gated_delta import gated_delta_update
 
 from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, speculative_row
+from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
 from vllm_mlx_mtp_routing.text_model import build_text_model
 
 PREFILL = 16
@@ -383,3 +384,25 @@ def test_head_resumes_after_plain_steps_at_the_right_positions(tiny, k):
     assert {g for step in decode.gaps for g in step} == {0}
     s = decode.stats()
     assert s["steps_with_mtp"] > 0 and s["steps_without_mtp"] > 2 * s["steps_with_mtp"]
+
+
+def test_the_captured_recurrence_is_mlx_lms(tiny):
+    """The verify's recurrence (gates once, one step per position, every state kept) gives what
+    mlx-lm's gated_delta_update gives over the whole sequence: a mlx-lm upgrade that changes the
+    internals it mirrors fails here, not in a benchmark."""
+    bundle, _ = tiny
+    lin = next(layer.linear_attn for layer in bundle.model.model.layers if layer.is_linear)
+    B, S = 3, 4
+    keys = mx.random.split(mx.random.key(7), 6)
+    q = mx.random.normal((B, S, lin.num_k_heads, lin.head_k_dim), key=keys[0])
+    k = mx.random.normal((B, S, lin.num_k_heads, lin.head_k_dim), key=keys[1])
+    v = mx.random.normal((B, S, lin.num_v_heads, lin.head_v_dim), key=keys[2])
+    a = mx.random.normal((B, S, lin.num_v_heads), key=keys[3])
+    b = mx.random.normal((B, S, lin.num_v_heads), key=keys[4])
+    state = mx.random.normal((B, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), key=keys[5])
+    y_ref, state_ref = gated_delta_update(q, k, v, a, b, lin.A_log, lin.dt_bias, state)
+    y, states = _recurrence_with_states(lin, q, k, v, a, b, state)
+    assert len(states) == S
+    assert mx.array_equal(y, y_ref) and mx.array_equal(states[-1], state_ref)
+    _, state_2 = gated_delta_update(q[:, :2], k[:, :2], v[:, :2], a[:, :2], b[:, :2], lin.A_log, lin.dt_bias, state)
+    assert mx.array_equal(states[1], state_2)

@@ -54,7 +54,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.gated_delta import gated_delta_update
+# mlx-lm 0.31.3 internals of gated_delta_update (the gates, its compiled step and its Metal kernel):
+# the verify keeps the state after every position, which the public function does not return.
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel
 
 from ..mtp import MTPHead, lm_head
 from .batch_cache import BatchCache, RaggedKVCache
@@ -76,14 +78,45 @@ DraftHook = Callable[[list[list[int]], list[list[int] | None]], list[list[int] |
 # --------------------------------------------------------------------------------------------
 
 
+def _recurrence_with_states(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array | None
+) -> tuple[mx.array, list[mx.array]]:
+    """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
+
+    mlx-lm 0.31.3's ``gated_delta_update`` computes the gates and the GQA repeat once per call and
+    then (CPU, CUDA) loops its compiled single step over the positions, or (Metal) runs one fused
+    kernel over all of them. The capture does the same loop with the per-position states kept:
+    gates and repeat once, then one step per position (the fused kernel over one position on
+    Metal). Calling ``gated_delta_update`` per position instead repeated the gates and the repeat
+    S times, ~36 more launches per verify step, which a launch-bound GPU pays in full.
+    """
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    beta = mx.sigmoid(b)
+    g = compute_g(lin.A_log, a, lin.dt_bias)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    ys, states = [], []
+    if not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available():
+        for t in range(S):
+            s = slice(t, t + 1)
+            y, state = gated_delta_kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
+            ys.append(y)
+            states.append(state)
+        return mx.concatenate(ys, axis=1), states
+    if Hv // Hk > 1:
+        q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    for t in range(S):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), states
+
+
 def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
     """mlx-lm 0.31.3 ``GatedDeltaNet.__call__`` (unmasked, unsharded), also returning the conv
-    window input and the recurrent state after every position.
-
-    The recurrence runs one position per ``gated_delta_update`` call: on CPU and CUDA mlx-lm runs
-    it as this very loop of compiled single steps (``gated_delta_ops``), so the capture costs no
-    extra compute there; on Metal it is S launches of the fused kernel instead of one.
-    """
+    window input and the recurrent state after every position (the recurrence runs position by
+    position anyway, so keeping the states costs no extra compute)."""
     B, S, _ = x.shape
     qkv = lin.in_proj_qkv(x)
     z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
@@ -105,18 +138,9 @@ def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.ar
     inv_scale = k.shape[-1] ** -0.5
     q = (inv_scale**2) * mx.fast.rms_norm(q, None, 1e-6)
     k = inv_scale * mx.fast.rms_norm(k, None, 1e-6)
-    state = cache[1]
-    ys, states = [], []
-    for t in range(S):
-        s = slice(t, t + 1)
-        y, state = gated_delta_update(
-            q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], lin.A_log, lin.dt_bias, state,
-            None, use_kernel=not lin.training,
-        )
-        ys.append(y)
-        states.append(state)
-    cache[1] = state
-    out = lin.norm(mx.concatenate(ys, axis=1), z)
+    y, states = _recurrence_with_states(lin, q, k, v, a, b, cache[1])
+    cache[1] = states[-1]
+    out = lin.norm(y, z)
     return lin.out_proj(out.reshape(B, S, -1)), conv_input, states
 
 
@@ -168,15 +192,20 @@ def rollback_rows(cache: BatchCache, captured: list[_Captured], keep: list[int],
     for c in cache.layers:
         if isinstance(c, RaggedKVCache):
             c.trim_rows(drop)
+    if not captured:
+        return
     B = len(keep)
+    # Built once for all layers (each op is a launch, and a launch-bound GPU pays per launch).
     last = mx.array([n - 1 for n in keep])
+    first = (last == 0)[:, None, None, None]
+    rows = mx.arange(B)
+    n_keep = captured[0].conv_input.shape[1] - fed
+    pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
     for cap in captured:
         if fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
-            cap.cache[1] = mx.where((last == 0)[:, None, None, None], cap.states[0], cap.states[1])
+            cap.cache[1] = mx.where(first, cap.states[0], cap.states[1])
         else:
-            cap.cache[1] = mx.stack(cap.states)[last, mx.arange(B)]
-        n_keep = cap.conv_input.shape[1] - fed
-        pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
+            cap.cache[1] = mx.stack(cap.states)[last, rows]
         cap.cache[0] = mx.take_along_axis(cap.conv_input, pos, axis=1)
 
 
