@@ -96,21 +96,20 @@ def _recurrence_with_states(
     g = compute_g(lin.A_log, a, lin.dt_bias)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    ys, states = [], []
-    if not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available():
-        for t in range(S):
-            s = slice(t, t + 1)
-            y, state = gated_delta_kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
-            ys.append(y)
-            states.append(state)
-        return mx.concatenate(ys, axis=1), states
-    if Hv // Hk > 1:
+    fused = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
+    if not fused and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    ys, states = [], []
     for t in range(S):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        s = slice(t, t + 1)
+        if fused:
+            y, state = gated_delta_kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
+        else:
+            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+            y = y[:, None]
         ys.append(y)
         states.append(state)
-    return mx.stack(ys, axis=1), states
+    return mx.concatenate(ys, axis=1), states
 
 
 def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
