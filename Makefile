@@ -23,5 +23,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-bench-quick: setup
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/pip install -q "matplotlib>=3.7"
+	touch $(VENV)/.bench
+
+bench-quick: $(VENV)/.bench
 	$(BIN)/python benchmarks/serve_bench.py --quick

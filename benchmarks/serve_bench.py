@@ -9,8 +9,9 @@ configuration: decode tok/s per request and aggregate at each concurrency, TTFT 
 acceptance when /v1/status reports one (the plugin's under status["plugins"]["mtp-routing"]), and a
 mixed text+image workload with per-path throughput. Ratios plugin/host come from the same run.
 
-Writes JSON, a Markdown table and (if matplotlib is importable) a PNG plot; the last stdout line
-is the JSON summary.
+Writes JSON, a Markdown table and a PNG plot (matplotlib: the `bench` extra) to benchmarks/results/tmp/
+(ignored by git) unless --out-dir says where; the last stdout line is the JSON summary. To record a
+result that BENCHMARKS.md cites: --out-dir benchmarks/results.
 
   python benchmarks/serve_bench.py --quick                    # < 60 s on 2 CPU cores
   python benchmarks/serve_bench.py --model trained            # models/tiny-qwen35-trained
@@ -477,7 +478,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plugin", action="store_true", help="benchmark the host only")
     ap.add_argument("--server-cmd", default=None,
                     help="command standing for `vllm-mlx`, e.g. 'python benchmarks/vllm_mlx_launcher.py --site DIR'")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results" / "tmp",
+                    help="where the JSON, Markdown and PNG go (default benchmarks/results/tmp, not tracked)")
     ap.add_argument("--name", default=None, help="output file stem (default serve_bench[_quick])")
     a = ap.parse_args(argv)
     if a.quick:
@@ -529,7 +531,7 @@ def main(argv=None) -> int:
     a.out_dir.mkdir(parents=True, exist_ok=True)
     report["plot"] = str(a.out_dir / f"{stem}.png") if plot(report, a.out_dir / f"{stem}.png") else None
     if report["plot"] is None:
-        print("matplotlib not importable: no plot written", file=sys.stderr)
+        print("matplotlib not importable (pip install -e '.[bench]'): no plot written", file=sys.stderr)
     (a.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (a.out_dir / f"{stem}.md").write_text(markdown(report))
     print(json.dumps(report))

@@ -40,6 +40,20 @@ def plugins_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_plugin(root, "broken", "broken_plugin_mod", "raise ImportError('libfoo is missing')\n")
     make_plugin(
         root,
+        "typo",
+        "typo_plugin_mod",
+        """
+        import pluggy
+        hookimpl = pluggy.HookimplMarker("vllm_mlx")
+
+        @hookimpl
+        def vllm_mlx_stat():
+            return {"never": "called"}
+        """,
+    )
+    make_plugin(root, "undecorated", "undecorated_plugin_mod", "def vllm_mlx_validate_arg(args):\n    pass\n")
+    make_plugin(
+        root,
         "checked",
         "checked_plugin_mod",
         """
@@ -86,6 +100,17 @@ def test_plugin_import_error_is_one_clear_line(plugins_dir: Path) -> None:
     result = run_cli("serve", "some-model", "--plugins", "broken", path=plugins_dir)
     assert result.returncode == 1
     assert "plugin 'broken' failed to load: ImportError: libfoo is missing" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name,hook,closest", [
+    ("typo", "vllm_mlx_stat", "vllm_mlx_stats"),
+    ("undecorated", "vllm_mlx_validate_arg", "vllm_mlx_validate_args"),
+])
+def test_misspelled_hook_fails_start_up_naming_it(plugins_dir: Path, name: str, hook: str, closest: str) -> None:
+    result = run_cli("serve", "some-model", "--plugins", name, path=plugins_dir)
+    assert result.returncode == 1
+    assert f"plugin {name!r} implements unknown hook {hook!r} (did you mean {closest!r}?)" in result.stderr
     assert "Traceback" not in result.stderr
 
 

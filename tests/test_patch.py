@@ -184,6 +184,17 @@ def test_our_flag_error_exits_2(patched_host: Path, refuser_dir: Path) -> None:
     assert "error: argument --refuser-limit: cannot exceed 10" in result.stderr
 
 
+def test_misspelled_hook_fails_start_up_naming_it(patched_host: Path, tmp_path: Path) -> None:
+    (tmp_path / "typo_plugin.py").write_text("def vllm_mlx_stat(engine):\n    return {}\n")
+    dist = tmp_path / "typo_plugin-0.0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: typo-plugin\nVersion: 0.0.1\n")
+    (dist / "entry_points.txt").write_text("[vllm_mlx.plugins]\ntypo = typo_plugin\n")
+    result = run_host(patched_host, "serve", "some-model", "--plugins", "typo", extra=tmp_path)
+    assert result.returncode == 1
+    assert "implements unknown hook 'vllm_mlx_stat' (did you mean 'vllm_mlx_stats'?)" in result.stderr
+
+
 def serve_patched(host: Path, model: Path, *flags: str, extra: Path, log_dir: Path) -> contextlib.AbstractContextManager[Server]:
     """The shared server helper, started through the stock entry point of the patched copy."""
     return serve(model, *flags, log_dir=log_dir, env=host_env(host, extra), command=[sys.executable, "-c", CLI])

@@ -19,6 +19,7 @@ import pluggy
 
 PROJECT_NAME = "vllm_mlx"
 ENTRY_POINT_GROUP = "vllm_mlx.plugins"
+HOOK_PREFIX = "vllm_mlx_"  # every hook name starts with it; a plugin function with it must match a spec
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ class PluginImportError(PluginError):
         super().__init__(f"plugin {name!r} failed to load: {type(error).__name__}: {error}")
         self.name = name
         self.error = error
+
+
+class UnknownHookError(PluginError):
+    def __init__(self, name: str, hook: str, specs: list[str]) -> None:
+        close = difflib.get_close_matches(hook, specs, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (hooks: {', '.join(specs)})"
+        super().__init__(f"plugin {name!r} implements unknown hook {hook!r}{hint}")
+        self.name = name
+        self.hook = hook
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,30 @@ def load_plugins(names: list[str], pm: pluggy.PluginManager | None = None) -> tu
             pm.register(plugin, name=name)
         except Exception as exc:  # a plugin's own bug: report it in one line, not a traceback wall
             raise PluginImportError(name, exc) from exc
+        check_hook_names(pm, name, plugin)
         loaded.append(LoadedPlugin(name=name, module=ep.value, version=_version_of(ep)))
     return pm, loaded
+
+
+def spec_names() -> list[str]:
+    return sorted(n for n in vars(hookspecs) if n.startswith(hookspecs.HOOK_PREFIX))
+
+
+def check_hook_names(pm: pluggy.PluginManager, name: str, plugin: Any) -> None:
+    """A misspelled hook would otherwise never be called, silently: refuse it at start-up.
+
+    Catches both a decorated implementation that matches no spec (pluggy's ``check_pending``) and an
+    undecorated function carrying the hook prefix (as pytest treats ``pytest_*`` names).
+    """
+    specs = spec_names()
+    for attr in dir(plugin):
+        if attr.startswith(hookspecs.HOOK_PREFIX) and callable(getattr(plugin, attr)) and attr not in specs:
+            raise UnknownHookError(name, attr, specs)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        hook = next((h for h in dir(pm.hook) if not h.startswith("_") and h not in specs), str(exc))
+        raise UnknownHookError(name, hook, specs) from exc
 
 
 def register_module(pm: pluggy.PluginManager, module_name: str, name: str) -> None:

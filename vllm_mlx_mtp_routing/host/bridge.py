@@ -106,13 +106,13 @@ def _extend_parser(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
 def load_into_parser(serve: argparse.ArgumentParser, names: list[str]) -> BridgeState:
     """Load the named plugins and let each add its flags; user errors exit like argparse does."""
-    from ..plugin_manager import PluginImportError, UnknownPluginError, load_plugins
+    from ..plugin_manager import PluginImportError, UnknownHookError, UnknownPluginError, load_plugins
 
     try:
         pm, loaded = load_plugins(names)
     except UnknownPluginError as exc:
         serve.error(f"argument --plugins: {exc}")
-    except PluginImportError as exc:
+    except (PluginImportError, UnknownHookError) as exc:
         serve.exit(1, f"{serve.prog}: error: {exc}\n")
     for plugin in loaded:
         group = serve.add_argument_group(f"plugin {plugin.name}")

@@ -1,0 +1,71 @@
+"""The package as users install it: build the sdist and wheel, install the wheel into a fresh venv.
+
+The fresh venv gets its heavy dependencies (vllm-mlx, mlx, ...) from this test run's environment
+through a path line in a .pth file: a plain path line adds the folder to ``sys.path`` without
+running that folder's own ``.pth`` files, so neither this checkout's editable install nor its
+bootstrap line is active there. Only the wheel's own files can make the plugin work in it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BOOTSTRAP = "vllm_mlx_mtp_routing_bootstrap.pth"
+# What the `vllm-mlx` console script runs (pip writes the same two lines).
+RUN_CLI = "import sys; from vllm_mlx.cli import main; sys.argv = ['vllm-mlx', *sys.argv[1:]]; sys.exit(main())"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "hatchling", "build", "-d", str(out)], cwd=REPO, check=True,
+                   capture_output=True, text=True, timeout=300)
+    (wheel,) = out.glob("*.whl")
+    (sdist,) = out.glob("*.tar.gz")
+    return wheel, sdist
+
+
+def test_wheel_has_bootstrap_at_root_and_entry_point(built: tuple[Path, Path]) -> None:
+    wheel, sdist = built
+    names = zipfile.ZipFile(wheel).namelist()
+    assert BOOTSTRAP in names  # at the root: site-packages runs it at interpreter start
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[vllm_mlx.plugins]" in text and "mtp-routing = vllm_mlx_mtp_routing.plugin" in text
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "models/"))]
+    members = tarfile.open(sdist).getnames()
+    assert any(m.endswith("/vllm_mlx_mtp_routing/plugin.py") for m in members)
+    assert any(m.endswith("/README.md") for m in members)
+
+
+@pytest.mark.slow
+def test_wheel_installed_in_fresh_venv_serves_help(built: tuple[Path, Path], tmp_path: Path) -> None:
+    wheel, _ = built
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "zz_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
+                   capture_output=True, text=True, timeout=300)
+    assert (site / BOOTSTRAP).is_file()
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_MLX_PLUGINS")}
+    where = subprocess.run([str(py), "-c", "import vllm_mlx_mtp_routing as m; print(m.__file__)"], cwd=tmp_path,
+                           env=env, check=True, capture_output=True, text=True).stdout.strip()
+    assert Path(where).is_relative_to(site), where  # the wheel's copy, not this checkout
+    result = subprocess.run([str(py), "-c", RUN_CLI, "serve", "--plugins", "mtp-routing", "--help"], cwd=tmp_path,
+                            env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for flag in ("--plugins", "plugin mtp-routing", "--scheduler-policy", "--scheduler-headroom-gb", "--mtp-schedule"):
+        assert flag in result.stdout
