@@ -116,7 +116,11 @@ class RoutingEngine(EngineDecorator):
         self.tokens_per_media_item = 0
         self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
-            logger.info("MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings); text requests get MTP")
+            logger.info(
+                "MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings), so the host's "
+                "'MTP: MLLM path ...' line above no longer applies: text requests get MTP on the text path "
+                "(stats: /v1/status mtp and plugins.mtp-routing.mtp); media requests decode without it"
+            )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
