@@ -181,15 +181,13 @@ def median_ms(fn, iters: int) -> float:
 
 
 def _snapshot(layers) -> list:
-    return [(c.keys, c.values, c.lengths, list(c._shift)) if isinstance(c, RaggedKVCache) else list(c.cache)
-            for c in layers]
+    return [c.checkpoint() if isinstance(c, RaggedKVCache) else list(c.cache) for c in layers]
 
 
 def _restore(layers, snap) -> None:
     for c, s in zip(layers, snap):
         if isinstance(c, RaggedKVCache):
-            c.keys, c.values = s[0], s[1]
-            c._set_lengths(s[2], s[3])  # RaggedKVCache internals: the bench rewinds the cache
+            c.restore(s)
         else:
             c.cache = list(s)
 

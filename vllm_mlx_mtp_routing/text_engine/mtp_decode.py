@@ -612,7 +612,7 @@ class MTPDecode:
         """What a step's kernels are specialized on: the batch, the draft count and the KV
         buffers' capacities (a grown buffer is a copy, and on CUDA a new attention plan)."""
         kv = next((c for c in cache.layers if isinstance(c, RaggedKVCache)), None)
-        caps = [c.keys.shape[2] if c is not None and c.keys is not None else 0 for c in (kv, self._cache[0])]
+        caps = [c.capacity if c is not None else 0 for c in (kv, self._cache[0])]
         return (B, k, *caps)
 
     def _record(
