@@ -55,9 +55,10 @@ def test_long_row_beside_short_rows_holds_its_own_length(tiny):
                            decode=MTPDecode(bundle.mtp, k=2, adaptive=False))
     for i, p in enumerate(prompts):
         sched.add(TextRequest(str(i), p, SamplingOptions(max_tokens=24 if i else 40)))
-    ratios, dense = [], []
+    ratios, dense, peak = [], [], 0
     while sched.has_work():
         sched.step()
+        peak = max(peak, sched.batch.nbytes)
         caches = _attention_caches(sched)
         if len(sched.running) == 8:
             need = _own_need(caches)
@@ -71,6 +72,12 @@ def test_long_row_beside_short_rows_holds_its_own_length(tiny):
     assert max(ratios) <= 1.25, max(ratios)
     assert min(dense) > 4.0  # the layout this replaced
     assert sched.batch.nbytes == 0  # every block returned once the rows left
+    # Admission asks the engine: its projection of the rows' caches is within 15% of what they held.
+    mm = sched.memory_model()
+    projected = sum(mm.row_cache_bytes(len(p), 24 if i else 40) for i, p in enumerate(prompts))
+    print(f"projected {projected} measured peak {peak} ({projected / peak:.3f})")
+    assert 0.85 <= projected / peak <= 1.15
+    assert mm.draft_tokens == 2 and mm.num_mtp_layers == len(bundle.mtp.layers)
 
 
 def _kv(n, seed, H=2, D=8):
@@ -106,3 +113,34 @@ def test_blocks_return_and_pool_compacts_with_rows_intact():
     kv.add_row(_kv(70, 3))  # reuses free blocks or grows; old rows untouched
     assert mx.array_equal(kv.extract(0).keys, rows[2].keys[..., :130, :])
     assert kv.extract(2).offset == 70
+
+
+def test_admission_projects_text_requests_with_the_engines_model(tiny, tiny_vlm_fp32):
+    from vllm_mlx_mtp_routing.admission import AdmissionController, MemoryModel
+
+    bundle, tok = tiny
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=512, decode=MTPDecode(bundle.mtp, k=3))
+    engine_mm = sched.memory_model()
+    host_mm = MemoryModel.from_model_config(json.loads((tiny_vlm_fp32 / "config.json").read_text()), include_mtp=False)
+    ctl = AdmissionController(budget_bytes=1 << 34, max_running=4, max_queue=4, queue_timeout_s=None,
+                              memory_model=host_mm, path_models={"text": engine_mm}, active_memory=lambda: 0)
+    assert ctl.projection(3000, 100, path="text") == engine_mm.project_parts(3000, 100)
+    assert ctl.projection(3000, 100, path="media") == host_mm.project_parts(3000, 100)
+    p = engine_mm.project_parts(3000, 100)
+    # k = 3 drafts are counted; the prefill stage's own caches are transient (given back at join)
+    assert engine_mm.pooled_kv_tokens(3000, 100) == -(-(3000 + 100 + 3) // 64) * 64
+    assert p.transient_bytes >= engine_mm.kv_capacity_tokens(3000, 0) * engine_mm.kv_bytes_per_token
+
+
+def test_on_joined_runs_once_when_the_row_joins(tiny):
+    bundle, tok = tiny
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=16)
+    joined = []
+    sched.add(TextRequest("a", list(range(10, 60)), SamplingOptions(max_tokens=3), lambda: joined.append(len(sched.running))))
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        if steps < 4:  # 49 prompt tokens in 16-token chunks: joins at the 4th step
+            assert not joined
+    assert joined == [1]

@@ -42,7 +42,9 @@ import mlx.nn as nn
 
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
+from ..admission.memory_model import MemoryModel
 from .detokenize import eos_ids_of
+from .footprint import engine_memory_model
 from .outputs import TextOutput
 from .rows import DecodeBatch, PrefillState, Row, TextRequest
 
@@ -193,6 +195,11 @@ class BatchScheduler:
         seq.decode = self.decode.join(state, seq.req.prompt_ids)
         self.batch.insert(seq, state)
         seq.prefill = None
+        if seq.req.on_joined is not None:  # e.g. admission giving back the prefill working set
+            try:
+                seq.req.on_joined()
+            except Exception:
+                logger.exception("on_joined callback of %s failed", seq.rid)
 
     def _decode(self) -> list[TextOutput]:
         rows = self.running
@@ -232,6 +239,15 @@ class BatchScheduler:
         self.waiting.clear()
         self.batch.clear()
         return [s.output("error", error=f"{type(error).__name__}: {error}") for s in seqs]
+
+    def memory_model(self) -> MemoryModel:
+        """What this engine allocates per request (ask it for admission's projection)."""
+        return engine_memory_model(
+            self.model,
+            prefill_step_size=self.prefill_step_size,
+            head_layers=self.decode.head_layers,
+            draft_tokens=getattr(self.decode, "k", 0) if self.decode.head_layers else 0,
+        )
 
     def stats(self) -> dict[str, Any]:
         return {

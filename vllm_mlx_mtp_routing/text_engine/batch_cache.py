@@ -34,10 +34,10 @@ class RaggedKVCache(_BaseCache):
     """A batch KV cache whose rows have their own lengths (drop-in for mlx-lm attention layers).
 
     Memory follows each row's own length. Keys and values live in a pool of ``block``-token blocks
-    (``[slots, H, D]``); row i owns a list of blocks (its block table) covering its own length, so
+    (``[H, slots, D]``); row i owns a list of blocks (its block table) covering its own length, so
     a 32K-token row beside seven chats holds 32K tokens of KV once, not eight times. Blocks of rows
     that leave or shrink return to a free list; the pool grows by at least an eighth (amortizing
-    the copy) and is compacted when more than a quarter of it (at least ``_SLACK_BLOCKS``) is
+    the copy) and is compacted when more than an eighth of it (at least ``_SLACK_BLOCKS``) is
     free. Attention still runs as one batched call: each step gathers the rows' blocks into the
     dense ``[B, H, n, D]`` keys/values the attention reads (n = the longest row, or the whole
     ``step``-rounded span, see below), a transient of one layer's size, freed after the layer.
@@ -205,12 +205,13 @@ class RaggedKVCache(_BaseCache):
         self._pool_v[:, idx] = mx.zeros((H, idx.size, self._pool_v.shape[2]), self._pool_v.dtype)
 
     def _compact(self) -> None:
-        """Return free blocks to the allocator when they are more than a quarter of the pool."""
+        """Give free blocks back when they are more than an eighth of the pool (what admission
+        counts as the pool's slack)."""
         if self._pool_k is None:
             return
         used = sum(len(t) for t in self._tables)
         total = self._pool_k.shape[1] // self.block - 1
-        if total - used <= max(_SLACK_BLOCKS, used // 4):
+        if total - used <= max(_SLACK_BLOCKS, used // 8):
             return
         order = [b for t in self._tables for b in t]
         idx = (mx.array([0] + order, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1)

@@ -16,7 +16,7 @@ like any other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,8 @@ class TextRequest:
     request_id: str
     prompt_ids: list[int]
     options: SamplingOptions = field(default_factory=SamplingOptions)
+    # Called once when the request's prefill is done and it joins the decode batch.
+    on_joined: Callable[[], None] | None = None
 
 
 @dataclass
