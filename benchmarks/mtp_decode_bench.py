@@ -69,7 +69,8 @@ from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     TextRequest,
 )
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, backbone_forward, rollback_rows  # noqa: E402
+from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -228,7 +229,7 @@ def step_costs(bundle, prompts, k: int, iters: int, tok=None) -> dict:
             logits, _, captured = backbone_forward(model, feed, cache.layers, capture=capture)
             mx.eval(mx.argmax(logits, axis=-1))
             if captured:
-                rollback_rows(cache, captured, keep, 2)
+                rollback_rows(cache.layers, captured, keep, 2)
             mx.eval(cache.state())
         return fn
 

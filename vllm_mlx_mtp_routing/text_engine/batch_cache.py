@@ -18,7 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from ..backbone import Captured, rollback_rows
+from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
 
 
 def _round_up(n: int, step: int) -> int:
@@ -30,7 +31,7 @@ def _plans_attention_per_shape() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-class RaggedKVCache(_BaseCache):
+class RaggedKVCache(BaseCache):
     """A batch KV cache whose rows have their own lengths (drop-in for mlx-lm attention layers).
 
     Memory follows each row's own length. Keys and values live in a pool of ``block``-token blocks
@@ -386,6 +387,12 @@ class BatchCache:
             else:
                 c.cache = [None if (a is None or idx is None) else a[idx] for a in c.cache]
         self._rows = len(keep)
+
+    def rollback(self, captured: list[Captured], keep: list[int], fed: int) -> None:
+        """Row i keeps the first keep[i] of the ``fed`` tokens of the last captured forward
+        (``backbone.backbone_forward(..., capture=True)``): attention rows are trimmed, gated-delta
+        rows take their captured state."""
+        rollback_rows(self.layers, captured, keep, fed)
 
     def state(self) -> list[Any]:
         return [c.state for c in self.layers]
