@@ -7,6 +7,8 @@ capacity). Both batches hold the same prefilled rows; timed decode steps alterna
 (blocks of --block steps, so a slow phase of a shared machine weighs on both), and the step
 time ratio is pool / dense. The memory line is the issue's case: one long row (--long tokens)
 beside seven 20-token rows, attention KV held / the rows' own needs (tokens held x bytes per token).
+Steps: a plain decode step ([B, 1]) and an MTP verify step ([B, 2] with the gated-delta capture and
+a per-row rollback, the verify of MTPDecode without the head).
 
   python benchmarks/kv_layout_ab.py --base ../checkout-before --out kv_ab.json
 """
@@ -31,6 +33,7 @@ sys.path.insert(0, str(HERE))
 import mlx.core as mx  # noqa: E402
 
 import mtp_decode_bench as mb  # noqa: E402
+from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import batch_cache as pool_mod  # noqa: E402
 
 
@@ -98,28 +101,40 @@ def main() -> None:
         rows = [prefilled(model, p[: a.context]) for p in prompts[:B]]
         caches = {n: batch(mod, model, rows) for n, mod in layouts.items()}
         x = mx.array([[p[a.context - 1]] for p in prompts[:B]], dtype=mx.uint32)
-        times = {n: [] for n in layouts}
-        blocks = {n: [] for n in layouts}  # per alternation: the block's median step
-        for s in range(a.steps // a.block + 1):
-            for name in (list(layouts) if s % 2 == 0 else list(reversed(layouts))):
-                bc = caches[name]
-                ts = []
-                for _ in range(a.block):
-                    t = time.perf_counter()
-                    logits = model(x, cache=bc.layers)[:, -1, :]
-                    mx.eval(mx.argmax(logits, axis=-1), bc.state())
-                    ts.append(time.perf_counter() - t)
-                if s:  # the first block of each warms up
-                    times[name] += ts
-                    blocks[name].append(statistics.median(ts))
-        med = {n: statistics.median(t) for n, t in times.items()}
-        # the ratio of neighbouring blocks (seconds apart), median over alternations: a slow
-        # phase of a shared machine falls on both sides of most ratios
-        paired = {n: statistics.median(x / y for x, y in zip(b, blocks["dense"])) for n, b in blocks.items() if n != "dense"}
-        res["steps"][B] = {**{f"{n}_ms": t * 1e3 for n, t in med.items()},
-                           **{f"{n}_over_dense": r for n, r in paired.items()}}
-        print(f"B={B}: step " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in med.items()) + "; paired "
-              + ", ".join(f"{n}/dense {r:.3f}" for n, r in paired.items()))
+        keep = [1 + (i % 2) for i in range(B)]  # a verify: half the rows accept their draft
+
+        def plain(bc):
+            logits = model(x, cache=bc.layers)[:, -1, :]
+            mx.eval(mx.argmax(logits, axis=-1), bc.state())
+
+        def verify(bc):  # [token, draft] per row, gated-delta states captured, per-row rollback
+            logits, _, captured = backbone_forward(model, mx.concatenate([x, x], axis=1), bc.layers, capture=True)
+            mx.eval(mx.argmax(logits, axis=-1))
+            rollback_rows(bc.layers, captured, keep, 2)
+            mx.eval(bc.state())
+
+        res["steps"][B] = {}
+        for kind, fn in (("plain", plain), ("verify", verify)):
+            times = {n: [] for n in layouts}
+            blocks = {n: [] for n in layouts}  # per alternation: the block's median step
+            for s in range(a.steps // a.block + 1):
+                for name in (list(layouts) if s % 2 == 0 else list(reversed(layouts))):
+                    ts = []
+                    for _ in range(a.block):
+                        t = time.perf_counter()
+                        fn(caches[name])
+                        ts.append(time.perf_counter() - t)
+                    if s:  # the first block of each warms up
+                        times[name] += ts
+                        blocks[name].append(statistics.median(ts))
+            med = {n: statistics.median(t) for n, t in times.items()}
+            # the ratio of neighbouring blocks (seconds apart), median over alternations: a slow
+            # phase of a shared machine falls on both sides of most ratios
+            paired = {n: statistics.median(x / y for x, y in zip(b, blocks["dense"])) for n, b in blocks.items() if n != "dense"}
+            res["steps"][B][kind] = {**{f"{n}_ms": t * 1e3 for n, t in med.items()},
+                                     **{f"{n}_over_dense": r for n, r in paired.items()}}
+            print(f"B={B} {kind}: step " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in med.items()) + "; paired "
+                  + ", ".join(f"{n}/dense {r:.3f}" for n, r in paired.items()), flush=True)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 

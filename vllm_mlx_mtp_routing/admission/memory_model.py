@@ -18,9 +18,11 @@ What is counted, per request (one batch row):
       dim, which is not assumed for Qwen3.5's 256 - pass fused_attention=True to drop the term),
       and, off Metal, mlx-vlm's chunked gated-delta scan: float32 [Hv, T padded to 64, 64] blocks
       (decay ratios, K K^T, the triangular inverse and its temporaries) plus float32 q, k, v copies.
+With `kv_block` set (the text engine, see text_engine/footprint.py) the KV is the engine's block pool
+instead: the row's tokens in whole blocks plus the pool's slack (an eighth), and the prefill stage's
+single-sequence caches become part of the transient share, given back when the row joins the batch.
 Not counted: weights and anything resident before the request (the controller measures those
-live), the vision tower (pass `extra_bytes` to the controller), batch padding added by the engine,
-prefix-cache copies.
+live), the vision tower (pass `extra_bytes` to the controller), prefix-cache copies.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The decode batch's cache: per-row KV lengths and per-row gated-delta state.
 
-Rows are left-aligned: row i keeps its keys/values at positions [0, lengths[i]) of the layer's
-buffer and its RoPE offset is lengths[i], so a row is addressed by one integer, rows of any length
-share a forward pass, and rolling a row back by n tokens (speculative decoding) is lengths[i] -= n.
+Rows are left-aligned: row i keeps its keys/values at positions [0, lengths[i]) (in its own blocks
+of the layer's pool, see ``RaggedKVCache``) and its RoPE offset is lengths[i], so rows of any
+length share a forward pass, and rolling a row back by n tokens (speculative decoding) is
+lengths[i] -= n.
 Nothing is ever padded in front of a row, so no position, mask or recurrent state can absorb
 padding (the fault of mlx-lm 0.31.3's right-padded batch prefill; see batch.py).
 
@@ -42,8 +43,8 @@ class RaggedKVCache(BaseCache):
     free. Attention still runs as one batched call: each step gathers the rows' blocks into the
     dense ``[B, H, n, D]`` keys/values the attention reads (n = the longest row, or the whole
     ``step``-rounded span, see below), a transient of one layer's size, freed after the layer.
-    The measured alternatives are in BENCHMARKS.md (KV memory): one dense buffer at the longest
-    row's capacity (this class before), and per-row attention calls.
+    Measured against one dense buffer at the longest row's capacity (this class before) and a
+    slot-major pool, in BENCHMARKS.md section 6 (benchmarks/kv_layout_ab.py).
 
     ``whole_buffer``: attention reads ``step``-rounded spans (its key length changes every
     ``step`` tokens) instead of the rows' longest length (every token). On by default where
