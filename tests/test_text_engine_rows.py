@@ -123,3 +123,19 @@ def test_restored_state_is_checked(tiny):
     with pytest.raises(ValueError, match="backbone"):
         sched.add(TextRequest("c", prompt), restored=PrefillState(prefilled=3))
     assert not sched.has_work()  # a refused state queues nothing
+
+
+def test_sparse_state_joins_at_its_position(tiny):
+    """A sparse prefill kept 12 of the 19 prompt positions it covered: the row's keys stay 12
+    (+ what it decodes) and its next token is rotated at position 19."""
+    bundle, tok = tiny
+    prompt = _prompts([20], seed=5)[0]
+    state = _snapshot(bundle.model, SingleTokenDecode(), prompt[7:19], 12)
+    state = PrefillState(backbone=state.backbone, prefilled=19, position=19)
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=PREFILL)
+    sched.add(TextRequest("s", prompt, SamplingOptions(max_tokens=4)), restored=state)
+    sched.step()
+    kv = next(c for c in sched.cache.layers if hasattr(c, "trim_rows"))
+    assert kv.lengths == [13] and kv.offset.tolist() == [20]
+    with pytest.raises(ValueError, match="sparse"):
+        sched.add(TextRequest("t", prompt + [5, 6]), restored=PrefillState(backbone=state.backbone, prefilled=19, position=19))

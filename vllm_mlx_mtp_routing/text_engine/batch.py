@@ -177,8 +177,6 @@ class BatchScheduler:
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
         self.decode.prefill(self.model, chunk, state)
         state.prefilled += n
-        if state.position is not None:
-            state.position += n
         self.prompt_tokens += n
         return n
 

@@ -52,8 +52,9 @@ class PrefillState:
       token. None: that pair is skipped too.
     - ``prefilled``: prompt tokens already in ``backbone``; at most len(prompt) - 1, since the
       last prompt token is fed by the row's first decode step.
-    - ``position``: the RoPE position of the next token when it differs from ``prefilled`` (a
-      sparse prefill keeps fewer keys than it covered positions); None means ``prefilled``.
+    - ``position``: the RoPE position of the next token when it differs from the keys held (a
+      sparse prefill keeps fewer keys than the positions it covered; ``prefilled`` then counts the
+      prompt tokens covered and must be len(prompt) - 1); None: the keys held, ``prefilled``.
     """
 
     backbone: list[Any] | None = None
@@ -77,8 +78,15 @@ class PrefillState:
             held = 0 if kv is None or kv.keys is None else kv.offset
             if self.position is None and held != self.prefilled:
                 raise ValueError(f"backbone caches hold {held} tokens, prefilled says {self.prefilled}")
-        if self.position is not None and self.position < self.prefilled:
-            raise ValueError("position must be >= the tokens held")
+            if self.position is not None and held > self.prefilled:
+                raise ValueError(f"backbone caches hold {held} tokens, more than the {self.prefilled} covered")
+        if self.position is not None:
+            if self.position < self.prefilled:
+                raise ValueError("position must be >= prefilled")
+            # mlx-lm's single-sequence caches rotate by the keys they hold, not by ``position``: a
+            # sparse state cannot be prefilled further, so it must cover all but the last token.
+            if self.prefilled != prompt_len - 1:
+                raise ValueError("a sparse state (position set) must cover the prompt but its last token")
 
 
 class Row:
@@ -168,8 +176,9 @@ class DecodeBatch:
     def insert(self, row: Row, state: PrefillState) -> None:
         """Append ``row`` with its single-sequence caches as the last row of every batch cache."""
         backbone = state.backbone if state.backbone is not None else self._model.make_cache()
-        shift = state.next_position - state.prefilled
-        self.backbone.add_row(backbone, shift=shift)
+        kv = next((c for c in backbone if isinstance(c, KVCache)), None)
+        held = 0 if kv is None or kv.keys is None else kv.offset
+        self.backbone.add_row(backbone, shift=state.next_position - held)
         if self.head:
             head = state.head if state.head is not None else [KVCache() for _ in self.head]
             if len(head) != len(self.head):
