@@ -257,5 +257,6 @@ class BatchScheduler:
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "cache_bytes": self.batch.nbytes,
+            **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
             **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
         }

@@ -208,3 +208,8 @@ class DecodeBatch:
     @property
     def nbytes(self) -> int:
         return self.backbone.nbytes + sum(c.nbytes for c in self.head)
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(held, owned by rows) bytes of attention KV, backbone and head (held counts free blocks)."""
+        caches = [c for c in self.backbone.layers if isinstance(c, RaggedKVCache)] + self.head
+        return sum(c.nbytes for c in caches), sum(c.used_bytes for c in caches)
