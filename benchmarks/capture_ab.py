@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 import mtp_decode_bench as mb
-from vllm_mlx_mtp_routing.text_engine import mtp_decode as new
+from types import SimpleNamespace
+
+from vllm_mlx_mtp_routing import backbone as new
 
 
 def main() -> None:
@@ -33,7 +35,10 @@ def main() -> None:
     old = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = old  # its dataclasses look their module up
     spec.loader.exec_module(old)
-    variants = {"old": (old._gated_delta_capture, old.rollback_rows), "new": (new._gated_delta_capture, new.rollback_rows)}
+    # an old module's rollback took the BatchCache, the current one its layers
+    old_rollback = (lambda layers, *rest: old.rollback_rows(SimpleNamespace(layers=layers), *rest)) \
+        if "cache: BatchCache" in a.old.read_text() else old.rollback_rows
+    variants = {"old": (old._gated_delta_capture, old_rollback), "new": (new._gated_delta_capture, new.rollback_rows)}
     _, bundle, tok, _ = mb.load_bundle(None)
     out = {"device": str(mb.mx.default_device()), "gpu": mb.gpu_name(), "old": str(a.old), "rows": []}
     for B in (int(b) for b in a.batches.split(",")):
@@ -42,7 +47,7 @@ def main() -> None:
         for rep in range(a.reps):
             for name in ("old", "new") if rep % 2 == 0 else ("new", "old"):
                 new._gated_delta_capture, mb.rollback_rows = variants[name]  # backbone_forward looks it up
-                costs = mb.step_costs(bundle, prompts, 1, a.iters)
+                costs = mb.step_costs(bundle, prompts, 1, a.iters, tok)
                 runs[name].append(costs["t2_ms"])
                 runs["t1"].append(costs["t1_ms"])
                 runs["nocap"].append(costs["t2_nocapture_ms"])

@@ -1,5 +1,4 @@
-"""Qwen3.5 multi-token-prediction (MTP) head, the backbone forward that feeds it, and a
-single-sequence greedy speculative decode loop (the reference for the batched engine).
+"""Qwen3.5 multi-token-prediction (MTP) head.
 
 The head predicts the token at t+2 from the backbone's hidden state at t and the token at t+1:
 
@@ -19,15 +18,14 @@ its offset is the RoPE position: prefill the head over the whole prompt (pairs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, KVCache
-from mlx_lm.models.qwen3_5 import DecoderLayer, TextModel, TextModelArgs
+
+from .backbone import backbone_forward, lm_head
+from .mlx_lm_internals import DecoderLayer, KVCache, TextModel, TextModelArgs, create_attention_mask
 
 HIDDEN_STATE_MODES = ("post_norm", "pre_norm")
 
@@ -41,58 +39,6 @@ def resolve_hidden_state_mode(config: dict) -> str:
     return mode
 
 
-def lm_head(text_model: TextModel, h: mx.array) -> mx.array:
-    if text_model.args.tie_word_embeddings:
-        return text_model.model.embed_tokens.as_linear(h)
-    return text_model.lm_head(h)
-
-
-# --------------------------------------------------------------------------------------------
-# Backbone forward returning the hidden state the head consumes
-# --------------------------------------------------------------------------------------------
-
-
-def _run_layers(
-    text_model: TextModel,
-    inputs: mx.array,
-    cache: Sequence[Any] | None,
-    input_embeddings: mx.array | None = None,
-    checkpoints: list[list[list[Any]]] | None = None,
-) -> mx.array:
-    """The decoder stack of mlx-lm 0.31.3's Qwen3_5TextModel.__call__ (uses its fa_idx/ssm_idx/
-    is_linear internals), returning the pre-final-norm hidden state.
-
-    With `checkpoints` (a list, batch 1, no padding), each linear (gated-delta) layer runs one token
-    at a time and checkpoints[i] receives, per linear layer, a copy of its cache state after
-    token i. A gated-delta layer is token-wise except for its conv and recurrent state, both carried
-    by the cache, so running it token by token is the same computation; it yields the states a
-    rejected draft rolls back to without re-running the accepted tokens.
-    """
-    inner = text_model.model
-    h = inner.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-    if cache is None:
-        cache = [None] * len(inner.layers)
-    fa_mask = create_attention_mask(h, cache[inner.fa_idx])
-    ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    L = h.shape[1]
-    if checkpoints is not None:
-        if h.shape[0] != 1 or ssm_mask is not None or cache[0] is None:
-            raise ValueError("checkpointed forward needs batch 1, a cache and no padding")
-        checkpoints.extend([] for _ in range(L))
-    for layer, c in zip(inner.layers, cache):
-        if not layer.is_linear:
-            h = layer(h, mask=fa_mask, cache=c)
-        elif checkpoints is None:
-            h = layer(h, mask=ssm_mask, cache=c)
-        else:
-            outs = []
-            for i in range(L):
-                outs.append(layer(h[:, i : i + 1], mask=None, cache=c))
-                checkpoints[i].append(list(c.state))
-            h = mx.concatenate(outs, axis=1)
-    return h
-
-
 def forward_with_hidden(
     text_model: TextModel,
     inputs: mx.array,
@@ -102,38 +48,10 @@ def forward_with_hidden(
     input_embeddings: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """One backbone pass returning (logits, hidden), hidden being what the MTP head consumes."""
-    pre = _run_layers(text_model, inputs, cache, input_embeddings)
-    post = text_model.model.norm(pre)
-    return lm_head(text_model, post), (pre if hidden_state_mode == "pre_norm" else post)
-
-
-def verify_forward(
-    text_model: TextModel,
-    inputs: mx.array,
-    cache: Sequence[Any],
-    *,
-    hidden_state_mode: str = "post_norm",
-) -> tuple[mx.array, mx.array, list[list[list[Any]]]]:
-    """`forward_with_hidden` for batch 1 that also returns, for every position i, the gated-delta
-    cache states after token i (see `rollback`)."""
-    checkpoints: list[list[list[Any]]] = []
-    pre = _run_layers(text_model, inputs, cache, checkpoints=checkpoints)
-    post = text_model.model.norm(pre)
-    return lm_head(text_model, post), (pre if hidden_state_mode == "pre_norm" else post), checkpoints
-
-
-def rollback(cache: Sequence[Any], checkpoints: list[list[list[Any]]], keep: int) -> None:
-    """Keep only the first `keep` tokens of the last `verify_forward` in the backbone cache:
-    KV caches are trimmed, gated-delta caches get the state saved after token keep-1."""
-    drop = len(checkpoints) - keep
-    if drop <= 0:
-        return
-    states = iter(checkpoints[keep - 1])
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            c.state = list(next(states))
-        else:
-            c.trim(drop)
+    logits, hidden, _ = backbone_forward(
+        text_model, inputs, cache, hidden_state_mode=hidden_state_mode, input_embeddings=input_embeddings
+    )
+    return logits, hidden
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,108 +129,6 @@ class MTPHead(nn.Module):
         return mx.concatenate(drafts, axis=1)
 
 
-# --------------------------------------------------------------------------------------------
-# Single-sequence greedy speculative decoding (reference implementation)
-# --------------------------------------------------------------------------------------------
-
-
-class Drafter(Protocol):
-    def make_cache(self) -> list[Any]: ...
-
-    def draft(self, hidden: mx.array, tokens: mx.array, cache: Sequence[Any], k: int = 1) -> mx.array: ...
-
-
-@dataclass
-class DecodeResult:
-    tokens: list[int]
-    drafted: int = 0
-    accepted: int = 0
-    verify_steps: int = 0
-    accepted_per_step: list[int] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
-def _finish(out: list[int], new: Sequence[int], max_tokens: int, eos: set[int]) -> bool:
-    """Append new tokens up to max_tokens or the first EOS; True when generation is over."""
-    for t in new:
-        out.append(t)
-        if len(out) >= max_tokens or t in eos:
-            return True
-    return False
-
-
-def greedy_generate(
-    text_model: TextModel,
-    prompt: Sequence[int],
-    max_tokens: int,
-    *,
-    eos_token_ids: Sequence[int] = (),
-) -> DecodeResult:
-    """Plain greedy decoding, one token per forward: the baseline MTP decoding must equal."""
-    cache = text_model.make_cache()
-    eos = set(eos_token_ids)
-    logits = text_model(mx.array([list(prompt)]), cache=cache)
-    out: list[int] = []
-    while True:
-        tok = int(mx.argmax(logits[0, -1]).item())
-        if _finish(out, [tok], max_tokens, eos):
-            return DecodeResult(out)
-        logits = text_model(mx.array([[tok]]), cache=cache)
-
-
-def mtp_greedy_generate(
-    text_model: TextModel,
-    drafter: Drafter,
-    prompt: Sequence[int],
-    max_tokens: int,
-    *,
-    k: int = 1,
-    eos_token_ids: Sequence[int] = (),
-    hidden_state_mode: str = "post_norm",
-) -> DecodeResult:
-    """Greedy decoding with MTP speculation, batch 1: draft k tokens, verify [token, drafts] in
-    one backbone forward, accept the longest matching prefix plus the backbone's own next token.
-
-    On rejection the backbone cache keeps the first a+1 verified positions: KV caches are trimmed
-    and each gated-delta layer takes the state saved after that position (`verify_forward`), so
-    nothing is recomputed. The head's cache never holds unverified entries (see MTPHead.draft).
-    The output equals `greedy_generate` token for token (up to floating-point ties).
-    """
-    if max_tokens <= 0:
-        return DecodeResult([])
-    cache = text_model.make_cache()
-    mtp_cache = drafter.make_cache()
-    eos = set(eos_token_ids)
-    prompt = list(prompt)
-
-    logits, hidden = forward_with_hidden(
-        text_model, mx.array([prompt]), cache, hidden_state_mode=hidden_state_mode
-    )
-    x = int(mx.argmax(logits[0, -1]).item())
-    result = DecodeResult([])
-    if _finish(result.tokens, [x], max_tokens, eos):
-        return result
-    pair_hidden, pair_tokens = hidden, prompt[1:] + [x]
-
-    while True:
-        drafts = drafter.draft(pair_hidden, mx.array([pair_tokens]), mtp_cache, k)[0].tolist()
-        logits, hidden, checkpoints = verify_forward(
-            text_model, mx.array([[x] + drafts]), cache, hidden_state_mode=hidden_state_mode
-        )
-        target = mx.argmax(logits[0], axis=-1).tolist()
-        a = 0
-        while a < k and drafts[a] == target[a]:
-            a += 1
-        rollback(cache, checkpoints, keep=a + 1)
-        new = target[: a + 1]
-        result.drafted += k
-        result.accepted += a
-        result.verify_steps += 1
-        result.accepted_per_step.append(a)
-        if _finish(result.tokens, new, max_tokens, eos):
-            return result
-        pair_hidden, pair_tokens = hidden[:, : a + 1], new
-        x = new[-1]
+# The single-sequence reference decoders live with the test support code; importable from here for
+# the tests written against this module.
+from .testing.reference_decode import DecodeResult, greedy_generate, mtp_greedy_generate  # noqa: E402,F401

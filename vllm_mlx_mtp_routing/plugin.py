@@ -108,7 +108,7 @@ def eos_token_ids(model_path: Path, config: dict[str, Any], tokenizer: Any) -> l
     return ids
 
 
-def _admission_controller(info: ModelInfo, router: RoutingEngine) -> Any:
+def _admission_controller(info: ModelInfo, router: RoutingEngine, text_engine: Any = None) -> Any:
     import mlx.core as mx
 
     settings = STATE.admission
@@ -119,10 +119,13 @@ def _admission_controller(info: ModelInfo, router: RoutingEngine) -> Any:
     except Exception as exc:  # the flag cannot work with this model on this device: say so, then fail start-up
         logger.error("mtp-routing: %s", exc)
         raise
+    # The mlx-vlm path: its own caches, and with --enable-mtp moved to the text path, no MTP head.
     memory_model = admission.MemoryModel.from_model_config(
-        info.config, prefill_step_size=router.settings.prefill_step_size, include_mtp=router.settings.enable_mtp
+        info.config, prefill_step_size=router.settings.prefill_step_size, include_mtp=False
     )
-    controller = admission.AdmissionController.from_settings(settings, memory_model=memory_model)
+    # The text path states what it allocates (its KV pool, the MTP head only if it loaded, k drafts).
+    path_models = {"text": text_engine.memory_model()} if text_engine is not None else {}
+    controller = admission.AdmissionController.from_settings(settings, memory_model=memory_model, path_models=path_models)
     admission.register_metrics(controller)
     logger.info(
         "mtp-routing admission: policy=%s budget=%.2f GiB (device %.2f GiB from %s, headroom %.2f GiB), max running %d, max queue %d",
@@ -142,10 +145,10 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
 
     router.tokenizer_for_text = info.tokenizer
     router.tokens_per_media_item = engine_access.tokens_per_media_item(router.wrapped)
-    router.admission = _admission_controller(info, router)
     try:
         bundle = build_text_model(info.model, Path(info.model_path), info.config, enable_mtp=router.settings.enable_mtp)
     except TextModelUnavailable as exc:
+        router.admission = _admission_controller(info, router)
         router.disable_text_path(str(exc))
         return None
     if bundle.mtp is not None:
@@ -171,6 +174,8 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
         decode=router.mtp_decode,
     )
+    # Built once the text path knows whether MTP loaded: its projection comes from the engine.
+    router.admission = _admission_controller(info, router, text_engine)
     return router.start_text_path(text_engine)
 
 

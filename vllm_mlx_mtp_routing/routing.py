@@ -183,7 +183,11 @@ class RoutingEngine(EngineDecorator):
         request_id: str | None = None
         finished = False
         try:
-            request_id = await self.text_engine.add_request(prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}")
+            request_id = await self.text_engine.add_request(
+                prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}",
+                # the prefill working set is given back once the row joins the batch
+                on_joined=ticket.prefill_done if ticket is not None else None,
+            )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
                 yield out

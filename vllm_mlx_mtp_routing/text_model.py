@@ -38,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.qwen3_5 import TextModel, TextModelArgs
+from .mlx_lm_internals import TextModel, TextModelArgs
 
 from .mtp import MTPHead, resolve_hidden_state_mode
 

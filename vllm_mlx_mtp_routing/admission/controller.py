@@ -111,6 +111,7 @@ class AdmissionController:
         queue_timeout_s: float | None,
         policy: str = "fifo",
         memory_model: MemoryModel | None = None,
+        path_models: dict[str, MemoryModel] | None = None,
         active_memory: Callable[[], int] = mx.get_active_memory,
         headroom_bytes: int = 0,
         device_bytes: int | None = None,
@@ -129,6 +130,8 @@ class AdmissionController:
         self.queue_timeout_s = queue_timeout_s if queue_timeout_s and math.isfinite(queue_timeout_s) else None
         self.policy = policy
         self.memory_model = memory_model
+        # A path whose engine states its own allocation (the text engine's block-pool KV).
+        self.path_models = dict(path_models or {})
         self.headroom_bytes = int(headroom_bytes)
         self.device_bytes = device_bytes
         self.device_source = device_source
@@ -170,22 +173,24 @@ class AdmissionController:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def projection(self, prompt_tokens: int, max_tokens: int, extra_bytes: int = 0) -> Projection:
-        if self.memory_model is None:
+    def projection(self, prompt_tokens: int, max_tokens: int, extra_bytes: int = 0, path: str = "") -> Projection:
+        model = self.path_models.get(path, self.memory_model)
+        if model is None:
             return Projection(max(extra_bytes, 0), 0)
-        p = self.memory_model.project_parts(prompt_tokens, max_tokens)
+        p = model.project_parts(prompt_tokens, max_tokens)
         return Projection(p.persistent_bytes + max(extra_bytes, 0), p.transient_bytes)
 
     async def acquire(self, *, prompt_tokens: int, max_tokens: int, priority: int = 0,
                       path: str = "text", extra_bytes: int = 0) -> Ticket:
         """Wait for room and return a Ticket, or raise RequestRejected (413 never fits, 503 busy).
 
-        `priority`: higher runs first under the priority policy. `path` ("text", "media") is a label.
+        `priority`: higher runs first under the priority policy. `path` ("text", "media") picks the
+        path's own memory model where one was given (``path_models``), else the shared one.
         `extra_bytes` adds memory the model does not know about (e.g. a vision tower's activations).
         Cancelling the awaiting task withdraws the request, or releases it if it was just admitted.
         Call on the event loop that serves the request; `Ticket.release()` may come from any thread.
         """
-        projection = self.projection(prompt_tokens, max_tokens, extra_bytes)
+        projection = self.projection(prompt_tokens, max_tokens, extra_bytes, path)
         loop = asyncio.get_running_loop()
         with self._lock:
             request = QueuedRequest(next(self._seq), int(prompt_tokens), int(max_tokens), int(priority))

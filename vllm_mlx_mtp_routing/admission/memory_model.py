@@ -18,9 +18,11 @@ What is counted, per request (one batch row):
       dim, which is not assumed for Qwen3.5's 256 - pass fused_attention=True to drop the term),
       and, off Metal, mlx-vlm's chunked gated-delta scan: float32 [Hv, T padded to 64, 64] blocks
       (decay ratios, K K^T, the triangular inverse and its temporaries) plus float32 q, k, v copies.
+With `kv_block` set (the text engine, see text_engine/footprint.py) the KV is the engine's block pool
+instead: the row's tokens in whole blocks plus the pool's slack (an eighth), and the prefill stage's
+single-sequence caches become part of the transient share, given back when the row joins the batch.
 Not counted: weights and anything resident before the request (the controller measures those
-live), the vision tower (pass `extra_bytes` to the controller), batch padding added by the engine,
-prefix-cache copies.
+live), the vision tower (pass `extra_bytes` to the controller), prefix-cache copies.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 KV_STEP = 256
 _FLOAT32 = 4
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_POOL_SLACK = 8  # the text engine's KV pool grows by at least 1/8 and compacts past 1/8 free
 
 
 def _default_scan_block() -> int:
@@ -76,6 +79,9 @@ class MemoryModel:
     draft_tokens: int = 0
     fused_attention: bool = False
     delta_scan_block: int = 64
+    # The text engine's batch KV: a pool of kv_block-token blocks per row (text_engine.batch_cache
+    # RaggedKVCache); 0 for mlx's own KVCache (256-token growth steps), as the mlx-vlm path holds.
+    kv_block: int = 0
 
     @classmethod
     def from_model_config(
@@ -252,10 +258,31 @@ class MemoryModel:
 
     # -- the projection -------------------------------------------------------------------
 
-    def project_parts(self, prompt_tokens: int, max_tokens: int) -> Projection:
-        cap = self.kv_capacity_tokens(prompt_tokens, max_tokens)
-        growth_copy = cap * self.kv_bytes_per_layer_token if self.kv_bytes_per_token else 0
-        persistent = cap * self.kv_bytes_per_token + growth_copy + self.state_bytes + self.decode_working_set()
+    def pooled_kv_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Tokens of KV a row holds in the text engine's block pool at its longest: the prompt,
+        max_tokens and one step's drafts, in whole blocks."""
+        need = max(prompt_tokens, 0) + max(max_tokens, 0) + self.draft_tokens
+        return -(-need // self.kv_block) * self.kv_block
+
+    def row_cache_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The text engine's caches for one row at its longest: block-pool KV (plus the pool's
+        growth slack, at most an eighth) and the gated-delta state."""
+        kv = self.pooled_kv_tokens(prompt_tokens, max_tokens) * self.kv_bytes_per_token
+        return kv + kv // _POOL_SLACK + self.state_bytes
+
+    def _project_pooled(self, prompt_tokens: int, max_tokens: int) -> Projection:
+        """The text engine: a request prefills alone on mlx's KVCache (256-token steps), then its
+        KV moves into the batch's block pool when it joins (``Ticket.prefill_done``)."""
+        persistent = self.row_cache_bytes(prompt_tokens, max_tokens) + self.decode_working_set()
+        # One attention layer's pool grows by concatenation: for a moment its share exists twice.
+        if self.kv_bytes_per_token:
+            persistent += self.pooled_kv_tokens(prompt_tokens, max_tokens) * self.kv_bytes_per_layer_token
+        prefill_cap = self.kv_capacity_tokens(prompt_tokens, 0) if prompt_tokens > 1 else 0
+        transient = prefill_cap * (self.kv_bytes_per_token + self.kv_bytes_per_layer_token)
+        transient += self._worst_prefill_working_set(prompt_tokens)
+        return Projection(persistent, transient)
+
+    def _worst_prefill_working_set(self, prompt_tokens: int) -> int:
         # The working set grows with context, so only the last full chunk and the final partial
         # chunk can be the worst.
         transient, offset = 0, 0
@@ -264,7 +291,15 @@ class MemoryModel:
             offset += chunk
             if i >= len(chunks) - 2:
                 transient = max(transient, self.prefill_working_set(chunk, offset))
-        return Projection(persistent, transient)
+        return transient
+
+    def project_parts(self, prompt_tokens: int, max_tokens: int) -> Projection:
+        if self.kv_block:
+            return self._project_pooled(prompt_tokens, max_tokens)
+        cap = self.kv_capacity_tokens(prompt_tokens, max_tokens)
+        growth_copy = cap * self.kv_bytes_per_layer_token if self.kv_bytes_per_token else 0
+        persistent = cap * self.kv_bytes_per_token + growth_copy + self.state_bytes + self.decode_working_set()
+        return Projection(persistent, self._worst_prefill_working_set(prompt_tokens))
 
     def project(self, prompt_tokens: int, max_tokens: int) -> int:
         """Upper bound on the bytes one request adds, from admission to completion."""

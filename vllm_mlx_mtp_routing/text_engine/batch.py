@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -43,80 +42,15 @@ import mlx.nn as nn
 
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
-from .detokenize import StopText, eos_ids_of
+from ..admission.memory_model import MemoryModel
+from .detokenize import eos_ids_of
+from .footprint import engine_memory_model
 from .outputs import TextOutput
-from .sampling import RowSampler, SamplingOptions
+from .rows import DecodeBatch, PrefillState, Row, TextRequest
+
+__all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TextRequest:
-    request_id: str
-    prompt_ids: list[int]
-    options: SamplingOptions = field(default_factory=SamplingOptions)
-
-
-class _Sequence:
-    """A request's generation state while the scheduler holds it."""
-
-    def __init__(self, req: TextRequest, tokenizer: Any, eos_ids: set[int]) -> None:
-        self.req = req
-        self.rid = req.request_id
-        self.sampler = RowSampler(req.options)
-        self.stop_ids = eos_ids | set(req.options.stop_token_ids)
-        self.text = StopText(tokenizer, req.options.stop)
-        self.token_ids: list[int] = []
-        self.cache: list[Any] | None = None  # single-sequence cache while prefilling
-        self.strategy_state: dict = {}  # the decode strategy's scratch space while prefilling
-        self.prefilled = 0  # tokens of prompt[:-1] already in the cache
-        self.next_input = req.prompt_ids[-1]
-        self.finish_reason: str | None = None
-        self.emitted_text = ""
-        self.emitted_tokens = 0
-        self.drafted = 0
-        self.accepted = 0
-
-    @property
-    def to_prefill(self) -> int:
-        return len(self.req.prompt_ids) - 1
-
-    def add_tokens(self, tokens: list[int]) -> None:
-        """Append generated tokens, stopping at the first stop token/string or at max_tokens."""
-        for t in tokens:
-            self.token_ids.append(t)
-            if t in self.stop_ids:
-                self.finish_reason = "stop"
-            elif self.text.add(t):
-                self.finish_reason = "stop"
-            elif len(self.token_ids) >= self.req.options.max_tokens:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                return
-        self.next_input = tokens[-1]
-
-    def output(self, finish_reason: str | None = None, error: str | None = None) -> TextOutput:
-        reason = finish_reason or self.finish_reason
-        if reason in ("stop", "length"):
-            self.text.finish()
-        new_text = self.text.take_new(final=reason is not None)
-        self.emitted_text += new_text
-        new_ids = self.token_ids[self.emitted_tokens :]
-        self.emitted_tokens = len(self.token_ids)
-        return TextOutput(
-            request_id=self.rid,
-            new_text=new_text,
-            text=self.emitted_text,
-            new_token_ids=new_ids,
-            token_ids=list(self.token_ids),
-            prompt_tokens=len(self.req.prompt_ids),
-            completion_tokens=len(self.token_ids),
-            finished=reason is not None,
-            finish_reason=reason,
-            mtp_drafted=self.drafted,
-            mtp_accepted=self.accepted,
-            error=error,
-        )
 
 
 class BatchScheduler:
@@ -140,23 +74,40 @@ class BatchScheduler:
         self.prefill_step_size = prefill_step_size
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
-        self.waiting: deque[_Sequence] = deque()
-        self.prefilling: list[_Sequence] = []
-        self.running: list[_Sequence] = []  # decode batch rows, in cache row order
-        self.cache = BatchCache(model)
+        self.waiting: deque[Row] = deque()
+        self.prefilling: list[Row] = []
+        # The decode batch owns the running rows and every batch cache (backbone and MTP head).
+        self.batch = DecodeBatch(model, head_layers=self.decode.head_layers)
+        self.decode.bind(self.batch)
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.batch_size_histogram: dict[int, int] = {}
 
+    @property
+    def running(self) -> list[Row]:
+        """The decode batch's rows, in cache row order."""
+        return self.batch.rows
+
+    @property
+    def cache(self) -> BatchCache:
+        """The backbone's batch caches."""
+        return self.batch.backbone
+
     # -- requests ---------------------------------------------------------------------------
 
-    def add(self, request: TextRequest) -> None:
+    def add(self, request: TextRequest, restored: PrefillState | None = None) -> None:
+        """Queue a request. ``restored``: caches that already hold ``prompt[:restored.prefilled]``
+        (a prefix-cache snapshot, a sparse prefill; see ``PrefillState``): the rest of the prompt
+        is prefilled on them in the usual chunks and the row joins the batch as any other. The
+        state becomes the row's own (it is mutated in place by the remaining prefill)."""
         if not request.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if self._find(request.request_id) is not None:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.waiting.append(_Sequence(request, self.tokenizer, self.eos_ids))
+        if restored is not None:
+            restored.check(len(request.prompt_ids))
+        self.waiting.append(Row(request, self.tokenizer, self.eos_ids, restored))
 
     def abort(self, request_id: str) -> TextOutput | None:
         """Remove a request now (call between steps); its final output, or None if unknown."""
@@ -169,13 +120,13 @@ class BatchScheduler:
             self.prefilling.remove(seq)
         else:
             self.waiting.remove(seq)
-        seq.cache = None
+        seq.prefill = None
         return seq.output("abort")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def _find(self, request_id: str) -> _Sequence | None:
+    def _find(self, request_id: str) -> Row | None:
         for group in (self.running, self.prefilling, self.waiting):
             for s in group:
                 if s.rid == request_id:
@@ -209,7 +160,7 @@ class BatchScheduler:
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
-                seq.cache = None
+                seq.prefill = None
                 outputs.append(seq.output("error", error=f"{type(e).__name__}: {e}"))
                 continue
             if seq.prefilled < seq.to_prefill:
@@ -217,26 +168,36 @@ class BatchScheduler:
             self._join(seq)
         return outputs
 
-    def _prefill_chunk(self, seq: _Sequence) -> int:
-        if seq.cache is None:
-            seq.cache = self.model.make_cache()
-        start = seq.prefilled
-        n = min(self.prefill_step_size, seq.to_prefill - start)  # boundaries fixed per prompt
+    def _prefill_chunk(self, seq: Row) -> int:
+        state = self._prefill_state(seq)
+        start = state.prefilled
+        # Boundaries at fixed multiples of the step from the prompt's start (or from where a
+        # restored state left off), never depending on the other requests.
+        n = min(self.prefill_step_size, seq.to_prefill - start)
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
-        self.decode.prefill(self.model, chunk, seq.cache, seq.strategy_state)
-        seq.prefilled += n
+        self.decode.prefill(self.model, chunk, state)
+        state.prefilled += n
         self.prompt_tokens += n
         return n
 
-    def _join(self, seq: _Sequence) -> None:
-        if seq.cache is None:
-            seq.cache = self.model.make_cache()
+    def _prefill_state(self, seq: Row) -> PrefillState:
+        if seq.prefill is None:
+            seq.prefill = PrefillState()
+        if seq.prefill.backbone is None:
+            seq.prefill.backbone = self.model.make_cache()
+        return seq.prefill
+
+    def _join(self, seq: Row) -> None:
+        state = self._prefill_state(seq)
         self.prefilling.remove(seq)
-        self.decode.join(seq.cache, seq.req.prompt_ids, seq.strategy_state)
-        self.cache.add_row(seq.cache)
-        seq.cache = None
-        seq.strategy_state = {}
-        self.running.append(seq)
+        seq.decode = self.decode.join(state, seq.req.prompt_ids)
+        self.batch.insert(seq, state)
+        seq.prefill = None
+        if seq.req.on_joined is not None:  # e.g. admission giving back the prefill working set
+            try:
+                seq.req.on_joined()
+            except Exception:
+                logger.exception("on_joined callback of %s failed", seq.rid)
 
     def _decode(self) -> list[TextOutput]:
         rows = self.running
@@ -247,9 +208,7 @@ class BatchScheduler:
             )
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
             logger.exception("decode step failed; failing %d running requests", len(rows))
-            self.running = []
-            self.cache = BatchCache(self.model)
-            self.decode.leave([])
+            self.batch.clear()
             return [s.output("error", error=f"{type(e).__name__}: {e}") for s in rows]
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
@@ -266,22 +225,27 @@ class BatchScheduler:
             self._drop_rows(finished)
         return outputs
 
-    def _drop_rows(self, gone: list[_Sequence]) -> None:
-        keep = [i for i, s in enumerate(self.running) if s not in gone]
-        self.running = [self.running[i] for i in keep]
-        self.cache.filter(keep)
-        self.decode.leave(keep)
+    def _drop_rows(self, gone: list[Row]) -> None:
+        self.batch.filter([s for s in self.running if s not in gone])
         if not self.running:
             mx.clear_cache()
 
     def fail_all(self, error: BaseException) -> list[TextOutput]:
         """Finish every request with an error (last resort after an unexpected fault)."""
         seqs = [*self.running, *self.prefilling, *self.waiting]
-        self.running, self.prefilling = [], []
+        self.prefilling = []
         self.waiting.clear()
-        self.cache = BatchCache(self.model)
-        self.decode.leave([])
+        self.batch.clear()
         return [s.output("error", error=f"{type(error).__name__}: {error}") for s in seqs]
+
+    def memory_model(self) -> MemoryModel:
+        """What this engine allocates per request (ask it for admission's projection)."""
+        return engine_memory_model(
+            self.model,
+            prefill_step_size=self.prefill_step_size,
+            head_layers=self.decode.head_layers,
+            draft_tokens=getattr(self.decode, "k", 0) if self.decode.head_layers else 0,
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -292,6 +256,7 @@ class BatchScheduler:
             "prompt_tokens_processed": self.prompt_tokens,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
-            "cache_bytes": self.cache.nbytes,
+            "cache_bytes": self.batch.nbytes,
+            **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
             **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
         }

@@ -1,8 +1,9 @@
 """The decode batch's cache: per-row KV lengths and per-row gated-delta state.
 
-Rows are left-aligned: row i keeps its keys/values at positions [0, lengths[i]) of the layer's
-buffer and its RoPE offset is lengths[i], so a row is addressed by one integer, rows of any length
-share a forward pass, and rolling a row back by n tokens (speculative decoding) is lengths[i] -= n.
+Rows are left-aligned: row i keeps its keys/values at positions [0, lengths[i]) (in its own blocks
+of the layer's pool, see ``RaggedKVCache``) and its RoPE offset is lengths[i], so rows of any
+length share a forward pass, and rolling a row back by n tokens (speculative decoding) is
+lengths[i] -= n.
 Nothing is ever padded in front of a row, so no position, mask or recurrent state can absorb
 padding (the fault of mlx-lm 0.31.3's right-padded batch prefill; see batch.py).
 
@@ -18,7 +19,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from ..backbone import Captured, rollback_rows
+from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
 
 
 def _round_up(n: int, step: int) -> int:
@@ -30,22 +32,37 @@ def _plans_attention_per_shape() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-class RaggedKVCache(_BaseCache):
+class RaggedKVCache(BaseCache):
     """A batch KV cache whose rows have their own lengths (drop-in for mlx-lm attention layers).
 
-    ``whole_buffer``: attention reads the whole reserved buffer (its length changes every
+    Memory follows each row's own length. Keys and values live in a pool of ``block``-token blocks
+    (``[H, slots, D]``); row i owns a list of blocks (its block table) covering its own length, so
+    a 32K-token row beside seven chats holds 32K tokens of KV once, not eight times. Blocks of rows
+    that leave or shrink return to a free list; the pool grows by at least an eighth (amortizing
+    the copy) and is compacted when more than an eighth of it (at least ``_SLACK_BLOCKS``) is
+    free. Attention still runs as one batched call: each step gathers the rows' blocks into the
+    dense ``[B, H, n, D]`` keys/values the attention reads (n = the longest row, or the whole
+    ``step``-rounded span, see below), a transient of one layer's size, freed after the layer.
+    Measured against one dense buffer at the longest row's capacity (this class before) and a
+    slot-major pool, in BENCHMARKS.md section 6 (benchmarks/kv_layout_ab.py).
+
+    ``whole_buffer``: attention reads ``step``-rounded spans (its key length changes every
     ``step`` tokens) instead of the rows' longest length (every token). On by default where
     attention kernels are planned per shape (cuDNN's SDPA, which MLX's CUDA backend takes for
     multi-token queries such as a [B, k+1] verify): planning anew at every step cost ~70 ms per
     step on an H100 (benchmarks/gpu_step_trace.py). Elsewhere the masked tail would be wasted work.
     """
 
-    step = 256
+    step = 256  # the key-length granularity attention sees in whole_buffer mode
+    block = 64  # the allocation unit of a row's KV
 
     def __init__(self, whole_buffer: bool | None = None) -> None:
         self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self._pool_k: mx.array | None = None  # [H, blocks * block, Dk]; block 0 stays zero
+        self._pool_v: mx.array | None = None
+        self._free: list[int] = []  # free block ids, popped from the end
+        self._tables: list[list[int]] = []  # per row: its block ids, in position order
+        self._index = mx.zeros((0, 1), dtype=mx.int32)  # see _sync_table
         self._lengths: list[int] = []
         # Positions skipped per row (``skip_rows``): a row's RoPE offset is lengths[i] + shift[i].
         self._shift: list[int] = []
@@ -64,15 +81,40 @@ class RaggedKVCache(_BaseCache):
         return max(self._lengths, default=0)
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self._pool_k is None
+
+    @property
+    def capacity(self) -> int:
+        """The ``step``-rounded span of the longest row (what whole-buffer attention reads)."""
+        return 0 if self._pool_k is None or not self._lengths else _round_up(self.size(), self.step)
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The rows' keys as one dense [B, H, capacity, Dk] array (a copy; for inspection)."""
+        return None if self._pool_k is None else self._gather(self._pool_k, self._positions(self.capacity))
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self._pool_v is None else self._gather(self._pool_v, self._positions(self.capacity))
 
     @property
     def state(self):
-        return self.keys, self.values, self.offset
+        return self._pool_k, self._pool_v, self.offset
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        """Bytes held (the pool, free blocks included)."""
+        return 0 if self._pool_k is None else self._pool_k.nbytes + self._pool_v.nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks the rows own."""
+        if self._pool_k is None:
+            return 0
+        per_slot = (self._pool_k.nbytes + self._pool_v.nbytes) // self._pool_k.shape[1]
+        return per_slot * self.block * sum(len(t) for t in self._tables)
+
+    # -- positions ----------------------------------------------------------------------------
 
     def _set_lengths(self, lengths: list[int], shift: list[int] | None = None) -> None:
         self._lengths = list(lengths)
@@ -84,53 +126,126 @@ class RaggedKVCache(_BaseCache):
         else:
             self.offset = self._slots
 
-    def _capacity(self, needed: int) -> int:
-        have = 0 if self.keys is None else self.keys.shape[2]
-        return have if needed <= have else _round_up(needed, self.step)
-
     def _visible(self, needed: int) -> int:
-        """How many key slots attention reads once ``needed`` are in use."""
-        return self._capacity(needed) if self.whole_buffer else needed
+        """How many key positions attention reads once ``needed`` are in use."""
+        return _round_up(needed, self.step) if self.whole_buffer else needed
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported")
-        # Query q of row i sits in slot lengths[i] + q and sees the keys in slots <= its own.
+        # Query q of row i sits at position lengths[i] + q and sees the keys at positions <= its own.
         q_pos = self._slots[:, None] + mx.arange(N)
         k_pos = mx.arange(self._visible(self.size() + N))
         return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
-    def _reserve(self, needed: int, keys: mx.array, values: mx.array) -> None:
-        B, H, _, Dk = keys.shape
-        Dv = values.shape[3]
-        have = 0 if self.keys is None else self.keys.shape[2]
-        if needed <= have:
+    # -- blocks -------------------------------------------------------------------------------
+
+    def _sync_table(self) -> None:
+        """Rebuild the slot index of every row's positions (only when some row's blocks change:
+        at most once per ``block`` tokens per row), so a step reads and writes with one index
+        op each instead of rebuilding it per layer and per step."""
+        width = max((len(t) for t in self._tables), default=0) or 1
+        table = mx.array([t + [0] * (width - len(t)) for t in self._tables] or [[0]], dtype=mx.int32)
+        # _index[i, p]: the pool slot of row i's position p (past its blocks: the zero block)
+        self._index = (table[:, :, None] * self.block + mx.arange(self.block, dtype=mx.int32)).reshape(table.shape[0], -1)
+
+    def _grow(self, need: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype) -> None:
+        """Make at least ``need`` blocks free (zeros, never garbage: masked slots still enter the
+        attention matmul, and 0 * NaN = NaN)."""
+        if len(self._free) >= need:
             return
-        grow = self._capacity(needed) - have
-        # Zeros, never garbage: masked slots still enter the attention matmul (0 * NaN = NaN).
-        new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
-        new_v = mx.zeros((B, H, grow, Dv), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
+        have = 0 if self._pool_k is None else self._pool_k.shape[1] // self.block
+        base = 0 if have else 1  # a new pool starts with the zero block that pads the tables
+        add = max(need - len(self._free), have // 8) + base
+        new_k = mx.zeros((H, add * self.block, Dk), dtype)
+        new_v = mx.zeros((H, add * self.block, Dv), dtype)
+        if self._pool_k is None:
+            self._pool_k, self._pool_v = new_k, new_v
         else:
-            self.keys = mx.concatenate([self.keys, new_k], axis=2)
-            self.values = mx.concatenate([self.values, new_v], axis=2)
+            self._pool_k = mx.concatenate([self._pool_k, new_k], axis=1)
+            self._pool_v = mx.concatenate([self._pool_v, new_v], axis=1)
+        self._release(list(range(have + base, have + add)))
+
+    def _reserve(self, ends: list[int], H: int, Dk: int, Dv: int, dtype: mx.Dtype) -> list[int]:
+        """Give row i blocks up to position ends[i]; the newly taken block ids."""
+        wants = [-(-e // self.block) - len(t) for e, t in zip(ends, self._tables)]
+        need = sum(w for w in wants if w > 0)
+        if not need:
+            return []
+        self._grow(need, H, Dk, Dv, dtype)
+        taken = []
+        for t, w in zip(self._tables, wants):
+            for _ in range(w):
+                t.append(self._free.pop())
+                taken.append(t[-1])
+        self._sync_table()
+        return taken
+
+    def _release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+        self._free.sort(reverse=True)
+
+    def _positions(self, n: int) -> mx.array:
+        """[B, n]: the pool slots of positions 0..n-1 of every row (past a row's blocks: the zero
+        block)."""
+        idx = self._index
+        if n > idx.shape[1]:
+            return mx.pad(idx, [(0, 0), (0, n - idx.shape[1])])
+        return idx[:, :n] if n < idx.shape[1] else idx
+
+    @staticmethod
+    def _gather(pool: mx.array, idx: mx.array) -> mx.array:
+        # [H, B, n, D] -> [B, H, n, D]: each row's keys of a head stay one contiguous run
+        return pool[:, idx].transpose(1, 0, 2, 3)
+
+    def _zero(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        idx = (mx.array(blocks, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1)
+        H, _, Dk = self._pool_k.shape
+        self._pool_k[:, idx] = mx.zeros((H, idx.size, Dk), self._pool_k.dtype)
+        self._pool_v[:, idx] = mx.zeros((H, idx.size, self._pool_v.shape[2]), self._pool_v.dtype)
+
+    def _compact(self) -> None:
+        """Give free blocks back when they are more than an eighth of the pool (what admission
+        counts as the pool's slack)."""
+        if self._pool_k is None:
+            return
+        used = sum(len(t) for t in self._tables)
+        total = self._pool_k.shape[1] // self.block - 1
+        if total - used <= max(_SLACK_BLOCKS, used // 8):
+            return
+        order = [b for t in self._tables for b in t]
+        idx = (mx.array([0] + order, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1)
+        self._pool_k, self._pool_v = self._pool_k[:, idx], self._pool_v[:, idx]
+        nxt = 1
+        for t in self._tables:
+            t[:] = range(nxt, nxt + len(t))
+            nxt += len(t)
+        self._free = []
+        self._sync_table()
+
+    # -- the attention layer's interface ------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        S = keys.shape[2]
-        end = self.size() + S
-        self._reserve(end, keys, values)
+        B, H, S, Dk = keys.shape
+        ends = [n + S for n in self._lengths]
+        self._zero(self._reserve(ends, H, Dk, values.shape[3], keys.dtype))
+        pos = self._slots[:, None] + mx.arange(S, dtype=mx.int32)
         # In bounds by _reserve: MLX (0.32.4, CPU) does not bounds-check scatters, and an index
         # past the buffer corrupts the heap instead of raising.
-        pos = (self._slots[:, None] + mx.arange(S))[:, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, pos, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, pos, values, axis=2)
-        self._set_lengths([n + S for n in self._lengths])
-        n = self._visible(end)
-        return self.keys[..., :n, :], self.values[..., :n, :]
+        idx = mx.take_along_axis(self._index, pos, axis=1).reshape(-1)
+        self._pool_k[:, idx] = keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk)
+        self._pool_v[:, idx] = values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3])
+        self._set_lengths(ends)
+        idx = self._positions(self._visible(max(ends, default=0)))
+        return self._gather(self._pool_k, idx), self._gather(self._pool_v, idx)
+
+    # -- rows -----------------------------------------------------------------------------------
 
     def trim_rows(self, counts: list[int]) -> None:
-        """Forget the last counts[i] tokens of row i (per-row rollback)."""
+        """Forget the last counts[i] tokens of row i (per-row rollback; blocks stay with the row
+        until it shrinks past them at the next ``filter``)."""
         self._set_lengths([max(0, n - c) for n, c in zip(self._lengths, counts)])
 
     def skip_rows(self, counts: list[int]) -> None:
@@ -141,46 +256,43 @@ class RaggedKVCache(_BaseCache):
             self._set_lengths(self._lengths, [s + c for s, c in zip(self._shift, counts)])
 
     def filter(self, keep: list[int]) -> None:
+        kept = set(keep)
+        for i, t in enumerate(self._tables):
+            if i not in kept:
+                self._release(t)
+        self._tables = [self._tables[i] for i in keep]
+        for t, n in zip(self._tables, (self._lengths[i] for i in keep)):
+            own = -(-n // self.block)  # blocks past a row's length (rolled-back drafts) go back
+            if len(t) > own:
+                self._release(t[own:])
+                del t[own:]
         self._set_lengths([self._lengths[i] for i in keep], [self._shift[i] for i in keep])
-        if self.keys is None:
-            return
         if not keep:
-            self.keys = self.values = None
+            self._pool_k = self._pool_v = None
+            self._free, self._tables = [], []
+            self._sync_table()
             return
-        idx = mx.array(keep)
-        cap = _round_up(self.size(), self.step)
-        self.keys = self.keys[idx, :, :cap]
-        self.values = self.values[idx, :, :cap]
+        self._sync_table()
+        self._compact()
 
-    def add_row(self, cache: KVCache) -> None:
-        """Append a batch-1 single-sequence cache as a new row."""
-        n = cache.offset
-        if cache.keys is None or n == 0:
-            if self.keys is not None:
-                B, H, T, Dk = self.keys.shape
-                self.keys = mx.concatenate([self.keys, mx.zeros((1, H, T, Dk), self.keys.dtype)])
-                Dv = self.values.shape[3]
-                self.values = mx.concatenate(
-                    [self.values, mx.zeros((1, H, T, Dv), self.values.dtype)]
-                )
-            self._set_lengths(self._lengths + [0], self._shift + [0])
-            return
-        k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
-        cap = _round_up(max(n, self.size()), self.step)
-        k = mx.pad(k, [(0, 0), (0, 0), (0, cap - n), (0, 0)])
-        v = mx.pad(v, [(0, 0), (0, 0), (0, cap - n), (0, 0)])
-        if self.keys is None:
-            B = self.batch_size
-            old_k = mx.zeros((B, *k.shape[1:]), k.dtype)
-            old_v = mx.zeros((B, *v.shape[1:]), v.dtype)
+    def add_row(self, cache: KVCache, shift: int = 0) -> None:
+        """Append a batch-1 single-sequence cache as a new row; ``shift``: positions the row's next
+        token sits past its keys (a sparse prefill)."""
+        n = cache.offset if cache.keys is not None else 0
+        self._tables.append([])
+        self._set_lengths(self._lengths + [0], self._shift + [shift])
+        if n:
+            k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
+            _, H, _, Dk = k.shape
+            self._reserve([0] * (self.batch_size - 1) + [n], H, Dk, v.shape[3], k.dtype)
+            blocks = mx.array(self._tables[-1], dtype=mx.int32)
+            idx = (blocks[:, None] * self.block + mx.arange(self.block)).reshape(-1)
+            pad = [(0, 0), (0, 0), (0, idx.size - n), (0, 0)]  # the last block's tail: zeros
+            self._pool_k[:, idx] = mx.pad(k, pad)[0]
+            self._pool_v[:, idx] = mx.pad(v, pad)[0]
+            self._set_lengths(self._lengths[:-1] + [n])
         else:
-            have = self.keys.shape[2]
-            pad = [(0, 0), (0, 0), (0, cap - have), (0, 0)]
-            old_k = mx.pad(self.keys, pad) if cap > have else self.keys[..., :cap, :]
-            old_v = mx.pad(self.values, pad) if cap > have else self.values[..., :cap, :]
-        self.keys = mx.concatenate([old_k, k])
-        self.values = mx.concatenate([old_v, v])
-        self._set_lengths(self._lengths + [n], self._shift + [0])
+            self._sync_table()
 
     def extract(self, i: int) -> KVCache:
         """Row i as a single-sequence ``KVCache`` (e.g. to keep it as a prefix cache)."""
@@ -188,11 +300,28 @@ class RaggedKVCache(_BaseCache):
             raise ValueError("a row with skipped positions has no single-sequence form")
         c = KVCache()
         n = self._lengths[i]
-        if self.keys is not None and n:
-            c.keys = mx.contiguous(self.keys[i : i + 1, :, :n])
-            c.values = mx.contiguous(self.values[i : i + 1, :, :n])
+        if self._pool_k is not None and n:
+            pos = mx.arange(n, dtype=mx.int32)
+            blk = mx.array(self._tables[i], dtype=mx.int32)[pos // self.block]
+            idx = blk * self.block + pos % self.block
+            c.keys = mx.contiguous(self._pool_k[:, idx][None])
+            c.values = mx.contiguous(self._pool_v[:, idx][None])
             c.offset = n
         return c
+
+    def checkpoint(self) -> tuple:
+        """Everything needed to ``restore`` this cache later (benchmarks rewind with it)."""
+        return (self._pool_k, self._pool_v, list(self._free), [list(t) for t in self._tables],
+                self.lengths, list(self._shift))
+
+    def restore(self, saved: tuple) -> None:
+        self._pool_k, self._pool_v, free, tables, lengths, shift = saved
+        self._free, self._tables = list(free), [list(t) for t in tables]
+        self._sync_table()
+        self._set_lengths(lengths, shift)
+
+
+_SLACK_BLOCKS = 8  # free blocks a pool may keep without compacting
 
 
 def _gated_delta_zero_state(layer: nn.Module, dtype: mx.Dtype) -> list[mx.array]:
@@ -235,11 +364,11 @@ class BatchCache:
             self._act_dtype = self._model.model.embed_tokens(mx.array([[0]])).dtype
         return self._act_dtype
 
-    def add_row(self, row_cache: list[Any]) -> None:
+    def add_row(self, row_cache: list[Any], shift: int = 0) -> None:
         """Append a batch-1 prefilled cache (from ``model.make_cache()``) as the last row."""
         for layer, c, rc in zip(self._model.layers, self.layers, row_cache):
             if isinstance(c, RaggedKVCache):
-                c.add_row(rc)
+                c.add_row(rc, shift)
                 continue
             row = rc.cache if rc.cache[0] is not None else _gated_delta_zero_state(
                 layer, self._activation_dtype()
@@ -259,6 +388,12 @@ class BatchCache:
             else:
                 c.cache = [None if (a is None or idx is None) else a[idx] for a in c.cache]
         self._rows = len(keep)
+
+    def rollback(self, captured: list[Captured], keep: list[int], fed: int) -> None:
+        """Row i keeps the first keep[i] of the ``fed`` tokens of the last captured forward
+        (``backbone.backbone_forward(..., capture=True)``): attention rows are trimmed, gated-delta
+        rows take their captured state."""
+        rollback_rows(self.layers, captured, keep, fed)
 
     def state(self) -> list[Any]:
         return [c.state for c in self.layers]

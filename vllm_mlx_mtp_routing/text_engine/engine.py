@@ -12,11 +12,12 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import mlx.nn as nn
 
+from ..admission.memory_model import MemoryModel
 from .batch import BatchScheduler, TextRequest
 from .decode import DecodeStrategy
 from .outputs import TextOutput
@@ -84,14 +85,17 @@ class TextEngine:
                 self._deliver(out)
 
     async def add_request(
-        self, prompt_ids: list[int], options: SamplingOptions, request_id: str | None = None
+        self, prompt_ids: list[int], options: SamplingOptions, request_id: str | None = None,
+        *, on_joined: Callable[[], None] | None = None,
     ) -> str:
+        """Queue a request; ``on_joined`` runs (on the step's thread) when its prefill is done and
+        it joins the decode batch."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
-        self.scheduler.add(TextRequest(rid, list(prompt_ids), options))
+        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, on_joined))
         self._queues[rid] = asyncio.Queue()
         self._wakeup.set()
         return rid
@@ -130,6 +134,10 @@ class TextEngine:
             return False
         self._deliver(out)
         return True
+
+    def memory_model(self) -> MemoryModel:
+        """What this engine allocates per request: admission's projection for the text path."""
+        return self.scheduler.memory_model()
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

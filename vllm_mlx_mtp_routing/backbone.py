@@ -1,0 +1,174 @@
+"""The Qwen3.5 backbone forward the package runs itself (mlx-lm's model file, in its style):
+the decoder stack returning the hidden state the MTP head reads, optionally capturing every
+gated-delta layer's state after each position, and the per-row rollback that uses the capture.
+
+mlx-lm's own ``model(inputs, cache=...)`` serves plain steps; this forward serves prefill with
+MTP (hidden states), the verify of [token, drafts] (capture), and the reference decoders.
+
+Capture: the gated-delta recurrence runs position by position anyway (CPU, CUDA; a fused kernel
+per position on Metal), so keeping the state after each position costs no extra compute; a row
+that keeps the first n of S verified tokens takes state n - 1 and the conv window ending there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .mlx_lm_internals import (
+    ArraysCache,
+    attention_cache_index,
+    compute_g,
+    create_attention_mask,
+    create_ssm_mask,
+    gated_delta_kernel,
+    gated_delta_step,
+    ssm_cache_index,
+)
+
+
+def lm_head(text_model: Any, h: mx.array) -> mx.array:
+    if text_model.args.tie_word_embeddings:
+        return text_model.model.embed_tokens.as_linear(h)
+    return text_model.lm_head(h)
+
+
+def _recurrence_with_states(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array | None
+) -> tuple[mx.array, list[mx.array]]:
+    """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
+
+    mlx-lm's ``gated_delta_update`` computes the gates and the GQA repeat once per call and then
+    (CPU, CUDA) loops its compiled single step over the positions, or (Metal) runs one fused
+    kernel over all of them. The capture does the same loop with the per-position states kept:
+    gates and repeat once, then one step per position (the fused kernel over one position on
+    Metal). Calling ``gated_delta_update`` per position instead repeated the gates and the repeat
+    S times, ~36 more launches per verify step, which a launch-bound GPU pays in full.
+    """
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    beta = mx.sigmoid(b)
+    g = compute_g(lin.A_log, a, lin.dt_bias)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    fused = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
+    if not fused and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
+        q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    ys, states = [], []
+    for t in range(S):
+        s = slice(t, t + 1)
+        if fused:
+            y, state = gated_delta_kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
+        else:
+            y, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+            y = y[:, None]
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), states
+
+
+def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` (unmasked, unsharded), also returning the conv window
+    input and the recurrent state after every position."""
+    B, S, _ = x.shape
+    qkv = lin.in_proj_qkv(x)
+    z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
+    b = lin.in_proj_b(x)
+    a = lin.in_proj_a(x)
+    n_keep = lin.conv_kernel_size - 1
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(lin.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [lin.key_dim, 2 * lin.key_dim], -1),
+            [lin.num_k_heads, lin.num_k_heads, lin.num_v_heads],
+            [lin.head_k_dim, lin.head_k_dim, lin.head_v_dim],
+        )
+    ]
+    inv_scale = k.shape[-1] ** -0.5
+    q = (inv_scale**2) * mx.fast.rms_norm(q, None, 1e-6)
+    k = inv_scale * mx.fast.rms_norm(k, None, 1e-6)
+    y, states = _recurrence_with_states(lin, q, k, v, a, b, cache[1])
+    cache[1] = states[-1]
+    out = lin.norm(y, z)
+    return lin.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+@dataclass
+class Captured:
+    cache: Any  # the layer's ArraysCache
+    conv_input: mx.array  # [B, n_keep + S, C]
+    states: list[mx.array]  # recurrent state after each of the S positions
+
+
+def backbone_forward(
+    model: nn.Module,
+    inputs: mx.array,
+    cache: Sequence[Any] | None,
+    *,
+    hidden_state_mode: str = "post_norm",
+    logits: bool = True,
+    capture: bool = False,
+    input_embeddings: mx.array | None = None,
+) -> tuple[mx.array | None, mx.array, list[Captured]]:
+    """The decoder stack of mlx-lm's qwen3_5 text model -> (logits or None, the hidden state the
+    MTP head reads (post-norm, or pre-norm), captured gated-delta states when ``capture``)."""
+    inner = model.model
+    h = inner.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+    if cache is None:
+        cache = [None] * len(inner.layers)
+    fa_mask = create_attention_mask(h, cache[attention_cache_index(model)])
+    ssm_mask = create_ssm_mask(h, cache[ssm_cache_index(model)])
+    if capture and ssm_mask is not None:
+        raise ValueError("capturing gated-delta states needs unmasked (unpadded) rows")
+    captured: list[Captured] = []
+    for layer, c in zip(inner.layers, cache):
+        if not layer.is_linear:
+            h = layer(h, mask=fa_mask, cache=c)
+        elif not capture:
+            h = layer(h, mask=ssm_mask, cache=c)
+        else:
+            r, conv_input, states = _gated_delta_capture(layer.linear_attn, layer.input_layernorm(h), c)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            captured.append(Captured(c, conv_input, states))
+    post = inner.norm(h)
+    out = lm_head(model, post) if logits else None
+    return out, (h if hidden_state_mode == "pre_norm" else post), captured
+
+
+def rollback_rows(layers: Sequence[Any], captured: list[Captured], keep: list[int], fed: int) -> None:
+    """Row i keeps the first keep[i] of the ``fed`` tokens of the last captured forward: attention
+    caches drop the rest (``trim_rows`` of a batch cache, ``trim`` of a single-sequence one), each
+    gated-delta layer takes its state after position keep[i] - 1."""
+    drop = [fed - n for n in keep]
+    if not any(drop):
+        return
+    for c in layers:
+        if isinstance(c, ArraysCache):
+            continue
+        if hasattr(c, "trim_rows"):
+            c.trim_rows(drop)
+        else:  # mlx-lm's single-sequence KVCache
+            c.trim(drop[0])
+    if not captured:
+        return
+    B = len(keep)
+    # Built once for all layers (each op is a launch, and a launch-bound GPU pays per launch).
+    last = mx.array([n - 1 for n in keep])
+    first = (last == 0)[:, None, None, None]
+    rows = mx.arange(B)
+    n_keep = captured[0].conv_input.shape[1] - fed
+    pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
+    for cap in captured:
+        if fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
+            cap.cache[1] = mx.where(first, cap.states[0], cap.states[1])
+        else:
+            cap.cache[1] = mx.stack(cap.states)[last, rows]
+        cap.cache[0] = mx.take_along_axis(cap.conv_input, pos, axis=1)

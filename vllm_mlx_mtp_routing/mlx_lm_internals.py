@@ -1,0 +1,51 @@
+"""Every mlx-lm internal this package relies on, reached from here only (written against mlx-lm
+0.31.3; re-check each on an upgrade: tests/test_mtp_decode.py pins the gated-delta capture).
+
+- ``mlx_lm.models.gated_delta``: ``compute_g``, ``_gated_delta_step_ops`` (its compiled single
+  step) and ``gated_delta_kernel`` (Metal): the verify keeps the recurrent state after every
+  position, which the public ``gated_delta_update`` does not return.
+- The qwen3_5 text model's structure: ``model.model.layers``, ``fa_idx`` / ``ssm_idx`` (which
+  cache builds the attention / gated-delta masks), ``layer.is_linear``, ``layer.linear_attn``'s
+  projections and sizes, ``model.args``; ``DecoderLayer`` (the MTP head's layer).
+- ``mlx_lm.models.cache``: ``_BaseCache`` (the base our batch KV cache derives from),
+  ``ArraysCache`` (gated-delta [conv, recurrent] state, batch on axis 0), ``KVCache``.
+- ``mlx_lm.models.base``: ``create_attention_mask`` / ``create_ssm_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModel, TextModelArgs
+
+__all__ = [
+    "ArraysCache",
+    "BaseCache",
+    "DecoderLayer",
+    "KVCache",
+    "TextModel",
+    "TextModelArgs",
+    "attention_cache_index",
+    "compute_g",
+    "create_attention_mask",
+    "create_ssm_mask",
+    "gated_delta_kernel",
+    "gated_delta_step",
+    "ssm_cache_index",
+]
+
+BaseCache = _BaseCache
+gated_delta_step = _gated_delta_step_ops
+
+
+def attention_cache_index(model: Any) -> int:
+    """The layer whose cache builds the full-attention mask."""
+    return model.model.fa_idx
+
+
+def ssm_cache_index(model: Any) -> int:
+    """The layer whose cache builds the gated-delta (SSM) mask."""
+    return model.model.ssm_idx
