@@ -13,6 +13,7 @@ from . import __version__, admission
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
+from .request_validation import validate_parameters
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
@@ -108,6 +109,15 @@ def eos_token_ids(model_path: Path, config: dict[str, Any], tokenizer: Any) -> l
     return ids
 
 
+def context_tokens(config: dict[str, Any]) -> int | None:
+    """The model's context length (text_config first: a VLM's top level may describe the vision tower)."""
+    for source in (config.get("text_config") or {}, config):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _admission_controller(info: ModelInfo, router: RoutingEngine) -> Any:
     import mlx.core as mx
 
@@ -142,6 +152,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
 
     router.tokenizer_for_text = info.tokenizer
     router.tokens_per_media_item = engine_access.tokens_per_media_item(router.wrapped)
+    router.context_tokens = context_tokens(info.config)
     router.admission = _admission_controller(info, router)
     try:
         bundle = build_text_model(info.model, Path(info.model_path), info.config, enable_mtp=router.settings.enable_mtp)
@@ -185,11 +196,10 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
             request.options["priority"] = int(value)
         except ValueError:
             raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
+    validate_parameters(request.body, request.options)
     seed = request.body.get("seed")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise RequestRejected(400, f"seed must be an integer, got {seed!r}")
-        request.options["seed"] = seed
+        request.options["seed"] = int(seed)
 
 
 @hookimpl

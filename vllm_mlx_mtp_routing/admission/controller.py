@@ -238,6 +238,10 @@ class AdmissionController:
         finally:
             ticket.release()
 
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
     def stats(self) -> dict[str, Any]:
         """Counters since start and the current state. `queued` is waiting now, `queued_total` ever
         had to wait; queue-wait percentiles (seconds) cover the last `wait_window` admissions,

@@ -41,6 +41,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import row_check
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
 from .detokenize import StopText, eos_ids_of
@@ -254,12 +255,19 @@ class BatchScheduler:
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
             before = len(seq.token_ids)
-            seq.add_tokens(tokens)
+            try:  # a fault of this row alone (its sampling, its stop handling) fails this row alone
+                if seq.sampler.fault is not None:
+                    raise seq.sampler.fault
+                seq.add_tokens(tokens)
+                out = seq.output()
+            except Exception as e:
+                seq.finish_reason = "error"
+                out = row_check.error_output(seq, e)
             self.generated_tokens += len(seq.token_ids) - before
             if result.drafted:
                 seq.drafted += result.drafted[i]
                 seq.accepted += result.accepted[i]
-            outputs.append(seq.output())
+            outputs.append(out)
             if seq.finish_reason:
                 finished.append(seq)
         if finished:
