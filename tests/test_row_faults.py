@@ -124,6 +124,8 @@ def test_decorator_writes_are_deliberate() -> None:
     assert host.preserve_native_tool_format is True
     router.text_engine = "mine"
     assert "text_engine" not in vars(host)
-    with pytest.raises(AttributeError, match="scheduler"):
-        router.scheduler = "oops"
-    assert host.scheduler == "host's"
+    router.scheduler = "replaced"  # the host engine's own attribute: its owner gets the write
+    assert host.scheduler == "replaced"
+    with pytest.raises(AttributeError, match="text_engin"):
+        router.text_engin = "a typo"  # neither owns it: no new state on the host engine
+    assert not hasattr(host, "text_engin")

@@ -1,10 +1,11 @@
 """A transparent decorator around a host engine: everything it does not override reaches the host's.
 
 Reads of attributes the decorator does not own go to the wrapped engine: the host reads private state
-back (``_loaded``, ``_model_load_executor``, ...). Writes are deliberate: the flags the host sets on
-its engine after building it (vllm-mlx 0.6.0 server: ``preserve_native_tool_format``,
-``use_harmony_rendering``) go to the wrapped engine, the decorator's own attributes stay on it, and
-any other write is an AttributeError instead of silently landing on the host's engine.
+back (``_loaded``, ``_model_load_executor``, ...). Writes are deliberate: the decorator's own
+attributes stay on it; the flags the host sets on its engine after building it (vllm-mlx 0.6.0
+server: ``preserve_native_tool_format``, ``use_harmony_rendering``) and attributes the wrapped
+engine already has go to the wrapped engine, their owner; a write of any other name is an
+AttributeError instead of silently creating state on the host's engine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class EngineDecorator:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in type(self)._own_attrs or name.startswith("_dec_"):
             object.__setattr__(self, name, value)
-        elif name in type(self)._forwarded_writes:
+        elif name in type(self)._forwarded_writes or hasattr(self.wrapped, name):
             setattr(self.wrapped, name, value)
         else:
             raise AttributeError(

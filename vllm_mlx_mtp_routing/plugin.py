@@ -12,6 +12,7 @@ from typing import Any
 from . import __version__, admission
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
+from .flag_types import int_at_least
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import validate_parameters
 from .host import engine_access
@@ -51,19 +52,12 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
     )
     group.add_argument(
         "--mtp-max-batch-size",
-        type=_positive_int,
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="Text-path MTP drafts only while the batch has at most N rows (default: no limit).",
     )
     admission.add_arguments(group)
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
 
 
 @hookimpl

@@ -40,6 +40,7 @@ import mlx.core as mx
 from ..errors import RequestRejected
 from .memory_model import MemoryModel, Projection
 from .policies import POLICIES, QueuedRequest, sort_key
+from .refusals import BurstLog, DrainRate
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class AdmissionController:
         self._wait_count = 0
         self._wait_sum = 0.0
         self._run_s_ewma: float | None = None
+        self._drain = DrainRate(clock)
+        self._burst_log = BurstLog(clock)
 
     @classmethod
     def from_settings(cls, settings: Any, *, memory_model: MemoryModel | None = None, **kwargs: Any) -> "AdmissionController":
@@ -207,12 +210,10 @@ class AdmissionController:
                 return self._admit(waiter)
             if len(self._waiting) >= self.max_queue:
                 self._rejected["queue_full"] += 1
-                raise RequestRejected(
-                    503,
-                    f"server busy: {len(self._running)} running and {len(self._waiting)} queued "
-                    f"(--scheduler-max-queue {self.max_queue}); retry later",
-                    retry_after=self._retry_after(),
-                )
+                message = (f"server busy: {len(self._running)} running and {len(self._waiting)} queued "
+                           f"(--scheduler-max-queue {self.max_queue}); retry later")
+                self._burst_log.refused("queue_full", message)
+                raise RequestRejected(503, message, retry_after=self._retry_after())
             self._waiting.append(waiter)
             self._queued_total += 1
         try:
@@ -309,12 +310,10 @@ class AdmissionController:
             self._waiting.remove(waiter)
             self._rejected["queue_timeout"] += 1
             self._dispatch()
-            raise RequestRejected(
-                503,
-                f"server busy: no room for this request within --scheduler-queue-timeout "
-                f"{self.queue_timeout_s:g}s; retry later",
-                retry_after=self._retry_after(),
-            )
+            message = (f"server busy: no room for this request within --scheduler-queue-timeout "
+                       f"{self.queue_timeout_s:g}s; retry later")
+            self._burst_log.refused("queue_timeout", message)
+            raise RequestRejected(503, message, retry_after=self._retry_after())
 
     def _fits(self, need: int) -> bool:
         live = int(self._active_memory())
@@ -354,6 +353,8 @@ class AdmissionController:
             self._completed += 1
             run_s = max(self._clock() - ticket.admitted_at, 0.0)
             self._run_s_ewma = run_s if self._run_s_ewma is None else 0.8 * self._run_s_ewma + 0.2 * run_s
+            self._drain.completed()
+            self._burst_log.flush()
             self._dispatch()
 
     def _shrink(self, ticket: Ticket) -> None:
@@ -365,11 +366,10 @@ class AdmissionController:
             self._dispatch()
 
     def _retry_after(self) -> float:
-        """Seconds until a retry likely finds room: the queue ahead drained at the observed rate."""
-        if self._run_s_ewma is None:
-            return 1.0
-        ahead = (len(self._waiting) + 1) / max(len(self._running), 1)
-        return float(min(max(math.ceil(self._run_s_ewma * ahead), 1), 600))
+        """Seconds until a retry likely finds room: the queue ahead drained at the measured rate."""
+        now = self._clock()
+        oldest = max((now - t.admitted_at for t in self._running.values()), default=0.0)
+        return self._drain.retry_after(len(self._waiting), len(self._running), self._run_s_ewma, oldest)
 
 
 def _wake(waiter: _Waiter) -> None:
