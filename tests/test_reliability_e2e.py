@@ -161,3 +161,35 @@ def test_clear_cache_route_serves_the_text_path(server: Server) -> None:
     r = httpx.delete(f"{server.url}/v1/cache", timeout=30)
     assert r.status_code == 200
     assert "text_path" in json.dumps(r.json())
+
+
+def test_a_long_wait_gets_the_response_start_and_keep_alives_then_an_error_frame(tiny_vlm_bf16: Path, tmp_path: Path) -> None:
+    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "1",
+             "--scheduler-queue-timeout", "7")
+    with serve(tiny_vlm_bf16, *flags, log_dir=tmp_path) as s:
+        async def run() -> tuple[int, float, str]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+                async def blocker() -> None:  # holds the only slot longer than the queue timeout
+                    payload = body(s, "def loop():", max_tokens=6000, stream=True)
+                    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+                        async for _ in response.aiter_lines():
+                            if stop.is_set():
+                                return
+
+                stop = asyncio.Event()
+                task = asyncio.create_task(blocker())
+                await asyncio.sleep(1.0)
+                t0 = time.monotonic()
+                payload = body(s, "x", max_tokens=4, stream=True)
+                async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+                    started = time.monotonic() - t0
+                    text = "".join([line + "\n" async for line in response.aiter_lines()])
+                stop.set()
+                await task
+                return response.status_code, started, text
+
+        status, started, text = asyncio.run(run())
+        assert status == 200 and started < 7  # the response started while the request still waited
+        assert ": heartbeat" in text
+        assert '"error"' in text and "server busy" in text and text.rstrip().endswith("data: [DONE]")
+        wait_idle(s, within=2.0)

@@ -12,7 +12,8 @@ from typing import Any
 from . import __version__, admission
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
-from .flag_types import int_at_least
+from .flag_types import int_at_least, non_negative
+from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import validate_parameters
 from .host import engine_access
@@ -31,6 +32,7 @@ class _State:
     routing_active: bool = False
     mtp_schedule: str = "adaptive"
     mtp_max_batch_size: int | None = None
+    prefill_stall_ratio: float = DEFAULT_STALL_RATIO
 
 
 STATE = _State()
@@ -57,6 +59,15 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         metavar="N",
         help="Text-path MTP drafts only while the batch has at most N rows (default: no limit).",
     )
+    group.add_argument(
+        "--prefill-stall-ratio",
+        type=non_negative,
+        default=DEFAULT_STALL_RATIO,
+        metavar="R",
+        help="Text path: a step's prefill chunk is sized at start from measured throughput to take at most R "
+        f"decode steps (default {DEFAULT_STALL_RATIO:g}), so running streams and /health keep their cadence while a "
+        "long prompt prefills; capped by --prefill-step-size. 0: chunks of --prefill-step-size tokens.",
+    )
     admission.add_arguments(group)
 
 
@@ -65,6 +76,7 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.admission = admission.validate(args)
     STATE.mtp_schedule = args.mtp_schedule
     STATE.mtp_max_batch_size = args.mtp_max_batch_size
+    STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
 
 
 @hookimpl
@@ -168,6 +180,12 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         )
     elif router.settings.enable_mtp:
         logger.info("mtp-routing: --enable-mtp, but the text path runs without MTP: %s", bundle.mtp_unavailable_reason)
+    from .text_engine.prefill_budget import calibrate
+
+    vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
+    router.prefill_budget = calibrate(
+        bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
+    )
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
@@ -176,6 +194,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
         decode=router.mtp_decode,
     )
+    router.prefill_budget.apply(text_engine.scheduler)
     return router.start_text_path(text_engine)
 
 

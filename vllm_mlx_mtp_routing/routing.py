@@ -118,7 +118,7 @@ class RoutingEngine(EngineDecorator):
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode", "context_tokens",
+        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -132,6 +132,7 @@ class RoutingEngine(EngineDecorator):
         self.tokens_per_media_item = 0
         self.context_tokens: int | None = None  # the model's context (max_position_embeddings), once loaded
         self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
+        self.prefill_budget: Any = None  # text_engine.prefill_budget.PrefillBudget, once calibrated
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info("MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings); text requests get MTP")
 
@@ -192,12 +193,15 @@ class RoutingEngine(EngineDecorator):
         """
         if self.admission is None:
             return None
+        ctx = asgi.current()
+        max_wait = host.request_wait_limit(ctx.body) if ctx is not None else None
         waiting_task = asyncio.current_task()
         waiting = [True]
         asgi.on_request_end(lambda: waiting[0] and waiting_task is not None and waiting_task.cancel())
         try:
             ticket = await self.admission.acquire(
-                prompt_tokens=prompt_tokens, max_tokens=int(options.get("max_tokens") or 256), priority=priority, path=path
+                prompt_tokens=prompt_tokens, max_tokens=int(options.get("max_tokens") or 256), priority=priority, path=path,
+                max_wait_s=max_wait,
             )
         finally:
             waiting[0] = False
@@ -347,6 +351,8 @@ class RoutingEngine(EngineDecorator):
             stats["text_path_disabled_reason"] = self.disabled_reason
         if self.text_engine is not None:
             stats["text_engine"] = self.text_engine.stats()
+        if self.prefill_budget is not None:
+            stats["prefill"] = self.prefill_budget.stats()
         if self.admission is not None:
             stats["admission"] = self.admission.stats()
         stats["mtp"] = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}

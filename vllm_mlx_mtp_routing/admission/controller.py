@@ -98,6 +98,7 @@ class _Waiter:
     path: str
     loop: asyncio.AbstractEventLoop
     enqueued_at: float
+    timeout_s: float | None = None  # how long it may wait: the queue timeout, or less for this request
     event: asyncio.Event = field(default_factory=asyncio.Event)
     ticket: Ticket | None = None
 
@@ -180,11 +181,13 @@ class AdmissionController:
         return Projection(p.persistent_bytes + max(extra_bytes, 0), p.transient_bytes)
 
     async def acquire(self, *, prompt_tokens: int, max_tokens: int, priority: int = 0,
-                      path: str = "text", extra_bytes: int = 0) -> Ticket:
+                      path: str = "text", extra_bytes: int = 0, max_wait_s: float | None = None) -> Ticket:
         """Wait for room and return a Ticket, or raise RequestRejected (413 never fits, 503 busy).
 
         `priority`: higher runs first under the priority policy. `path` ("text", "media") is a label.
         `extra_bytes` adds memory the model does not know about (e.g. a vision tower's activations).
+        `max_wait_s` shortens the queue timeout for this request (e.g. below the server's own request
+        timeout, so the wait ends with this controller's 503, not an empty response).
         Cancelling the awaiting task withdraws the request, or releases it if it was just admitted.
         Call on the event loop that serves the request; `Ticket.release()` may come from any thread.
         """
@@ -192,7 +195,8 @@ class AdmissionController:
         loop = asyncio.get_running_loop()
         with self._lock:
             request = QueuedRequest(next(self._seq), int(prompt_tokens), int(max_tokens), int(priority))
-            waiter = _Waiter(request, projection, path, loop, self._clock())
+            limits = [t for t in (self.queue_timeout_s, max_wait_s) if t is not None]
+            waiter = _Waiter(request, projection, path, loop, self._clock(), min(limits) if limits else None)
             if not self._running:
                 self._baseline = int(self._active_memory())
             available = self.budget_bytes - self._baseline
@@ -281,7 +285,7 @@ class AdmissionController:
     # -- internals (all state changes under self._lock) ------------------------------------------
 
     async def _wait(self, waiter: _Waiter) -> Ticket:
-        deadline = None if self.queue_timeout_s is None else waiter.enqueued_at + self.queue_timeout_s
+        deadline = None if waiter.timeout_s is None else waiter.enqueued_at + waiter.timeout_s
         # asyncio.wait, not wait_for: wait_for (3.10/3.11) can swallow a cancellation that races
         # with the wake-up, and a disconnected client's handler would then run anyway.
         woken = asyncio.ensure_future(waiter.event.wait())
@@ -310,8 +314,8 @@ class AdmissionController:
             self._waiting.remove(waiter)
             self._rejected["queue_timeout"] += 1
             self._dispatch()
-            message = (f"server busy: no room for this request within --scheduler-queue-timeout "
-                       f"{self.queue_timeout_s:g}s; retry later")
+            limit = "--scheduler-queue-timeout" if waiter.timeout_s == self.queue_timeout_s else "the request timeout"
+            message = f"server busy: no room for this request within {limit} ({waiter.timeout_s:g}s); retry later"
             self._burst_log.refused("queue_timeout", message)
             raise RequestRejected(503, message, retry_after=self._retry_after())
 

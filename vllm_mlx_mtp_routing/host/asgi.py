@@ -45,6 +45,7 @@ class RequestContext:
     body: dict[str, Any] = field(default_factory=dict)  # the JSON body, fields the host's models drop included
     engine_started: bool = False
     rejection: RequestRejected | None = None
+    stream_started: bool = False  # the client has the stream's response start: a refusal is a frame now
     response_id: str | None = None  # the id in the first SSE chunk (chatcmpl-..., msg_...), for cancel by id
     cancel: Callable[[], bool] | None = None  # cancels what the engine runs for this request
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
@@ -176,6 +177,7 @@ class _HoldingSend:
             if not (self._ctx.engine_started or waited or not message.get("more_body", False)):
                 return
             held, self._held = self._held, None
+            self._ctx.stream_started = True
             for m in held:
                 await self._send(m)
             return

@@ -41,7 +41,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import row_check
+import time
+
+from . import prefill_budget, row_check
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
 from .detokenize import StopText, eos_ids_of
@@ -139,6 +141,9 @@ class BatchScheduler:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.prefill_step_size = prefill_step_size
+        self.prefill_chunk = prefill_step_size  # tokens per prefill forward; prefill_budget may lower it
+        self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
+        self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
         self.waiting: deque[_Sequence] = deque()
@@ -192,21 +197,24 @@ class BatchScheduler:
             self.prefilling.append(self.waiting.popleft())
         outputs += self._prefill()
         if self.running:
+            tic = time.perf_counter()
             outputs += self._decode()
+            prefill_budget.note_decode_step(self, time.perf_counter() - tic)
         self.steps += 1
         return outputs
 
     def _prefill(self) -> list[TextOutput]:
         outputs = []
-        budget = self.prefill_step_size
-        done = 0
+        done, started, last = 0, time.perf_counter(), 0.0
         for seq in list(self.prefilling):
             try:
                 while seq.prefilled < seq.to_prefill:
-                    n = min(self.prefill_step_size, seq.to_prefill - seq.prefilled)
-                    if done and done + n > budget:
+                    n = min(self.prefill_chunk, seq.to_prefill - seq.prefilled)
+                    if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break
+                    tic = time.perf_counter()
                     done += self._prefill_chunk(seq)
+                    last = time.perf_counter() - tic
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
@@ -222,7 +230,7 @@ class BatchScheduler:
         if seq.cache is None:
             seq.cache = self.model.make_cache()
         start = seq.prefilled
-        n = min(self.prefill_step_size, seq.to_prefill - start)  # boundaries fixed per prompt
+        n = min(self.prefill_chunk, seq.to_prefill - start)  # boundaries fixed per prompt
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
         self.decode.prefill(self.model, chunk, seq.cache, seq.strategy_state)
         seq.prefilled += n
