@@ -152,7 +152,8 @@ def main() -> None:
             r["gap_over_decode"] = round(r["longest_gap_s"] / r["decode_gap_median_s"], 1)
             results[name] = r
             print(name, json.dumps(r), flush=True)
-    out = args.out or REPO / "benchmarks" / "results" / f"prefill_stall-{device.split('(')[-1].rstrip(')')}.json"
+    kind = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    out = args.out or REPO / "benchmarks" / "results" / f"prefill_stall-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results))

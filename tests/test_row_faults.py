@@ -129,3 +129,18 @@ def test_decorator_writes_are_deliberate() -> None:
     with pytest.raises(AttributeError, match="text_engin"):
         router.text_engin = "a typo"  # neither owns it: no new state on the host engine
     assert not hasattr(host, "text_engin")
+
+
+def test_undecodable_inline_images_are_400() -> None:
+    from vllm_mlx_mtp_routing.request_validation import validate_inline_images
+    from vllm_mlx_mtp_routing.testing.server import png_data_url
+
+    good = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url((1, 2, 3))}}]}
+    validate_inline_images([good])
+    for url in ("data:image/png;base64,@@@notbase64", "data:image/png;base64," + "QUJD" * 10):
+        bad = {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]}
+        with pytest.raises(RequestRejected, match=r"messages\[0\]\.content\[1\]"):
+            validate_inline_images([bad])
+    block = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}}]}
+    with pytest.raises(RequestRejected):
+        validate_inline_images([block])

@@ -15,7 +15,7 @@ from .errors import RequestRejected
 from .flag_types import int_at_least, non_negative
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
-from .request_validation import validate_parameters
+from .request_validation import validate_inline_images, validate_parameters
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
@@ -210,6 +210,7 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
         except ValueError:
             raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
     validate_parameters(request.body, request.options)
+    validate_inline_images(request.body.get("messages") if request.body else request.messages)
     seed = request.body.get("seed")
     if seed is not None:
         request.options["seed"] = int(seed)

@@ -7,6 +7,9 @@ e.g. ``seed``), and on the options the engine receives for calls that do not com
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -143,3 +146,46 @@ def fit_to_context(prompt_tokens: int, max_tokens: int, context_tokens: int | No
             f"of {context_tokens} tokens; max_tokens may be at most {room} for this prompt",
         )
     return room
+
+
+def _data_url(part: Any) -> str | None:
+    if not isinstance(part, dict):
+        return None
+    for key in ("image_url", "input_image"):
+        value = part.get(key)
+        url = value.get("url") if isinstance(value, dict) else value
+        if isinstance(url, str) and url.startswith("data:"):
+            return url
+    source = part.get("source")  # Anthropic image block
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+    return None
+
+
+def validate_inline_images(messages: Any) -> None:
+    """400 for an inline (data: URL or base64 block) image that does not decode, before the host's
+    media path turns it into a 500. Remote URLs are the host's to fetch."""
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            url = _data_url(part)
+            if url is None:
+                continue
+            where = f"messages[{i}].content[{j}]"
+            header, _, data = url.partition(",")
+            if not header.endswith(";base64"):
+                continue  # a percent-encoded data URL: rare for images, left to the host
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise RequestRejected(400, f"{where}: image data is not valid base64 ({exc})") from None
+            if header.startswith("data:image"):
+                from PIL import Image
+
+                try:
+                    with Image.open(io.BytesIO(raw)) as image:
+                        image.verify()
+                except Exception as exc:
+                    raise RequestRejected(400, f"{where}: image data does not decode as an image ({exc})") from None

@@ -75,7 +75,15 @@ def install(state: BridgeState) -> None:
     server._build_engine = _build_engine
 
     app = server.app
-    app.add_middleware(asgi.PluginRequestMiddleware)
+    try:
+        app.add_middleware(asgi.PluginRequestMiddleware)
+    except RuntimeError:
+        # The app has served already (an in-process client before serve_command, as in the host's own
+        # tests): Starlette 1.x refuses add_middleware then, but rebuilds a cleared stack on the next call.
+        from starlette.middleware import Middleware
+
+        app.user_middleware.insert(0, Middleware(asgi.PluginRequestMiddleware))
+        app.middleware_stack = None
     app.add_exception_handler(RequestRejected, _rejected_handler)
     _replace_status_route(state, server)
     _register_plugin_routes(state, server)
