@@ -46,6 +46,7 @@ class RequestContext:
     engine_started: bool = False
     rejection: RequestRejected | None = None
     stream_started: bool = False  # the client has the stream's response start: a refusal is a frame now
+    refused: bool = False  # refused by a plugin (busy, bad input): the host's error logs for it are noise
     response_id: str | None = None  # the id in the first SSE chunk (chatcmpl-..., msg_...), for cancel by id
     cancel: Callable[[], bool] | None = None  # cancels what the engine runs for this request
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
@@ -60,6 +61,17 @@ CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
 
 def current() -> RequestContext | None:
     return CURRENT.get()
+
+
+class RefusalLogFilter(logging.Filter):
+    """Drops the host's ERROR lines about a request a plugin refused: vllm-mlx 0.6.0 logs every exception
+    out of a stream generator at ERROR ("Streaming error, ensuring terminal frame", "[disconnect_guard]
+    generator raised"), so a burst of 503s flooded the log. The admission controller logs refusals at
+    INFO, once per burst."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = CURRENT.get()
+        return not (ctx is not None and ctx.refused and record.levelno >= logging.ERROR)
 
 
 def on_request_end(callback: Callable[[], Any]) -> None:

@@ -85,6 +85,7 @@ def install(state: BridgeState) -> None:
         app.user_middleware.insert(0, Middleware(asgi.PluginRequestMiddleware))
         app.middleware_stack = None
     app.add_exception_handler(RequestRejected, _rejected_handler)
+    logging.getLogger("vllm_mlx.server").addFilter(asgi.RefusalLogFilter())
     _replace_status_route(state, server)
     _register_plugin_routes(state, server)
 

@@ -34,14 +34,13 @@ the running rows by at most one chunk per step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-import time
 
 from . import prefill_budget, row_check
 from .batch_cache import BatchCache
