@@ -262,6 +262,9 @@ class BatchScheduler:
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
             before = len(seq.token_ids)
+            if result.drafted:
+                seq.drafted += result.drafted[i]
+                seq.accepted += result.accepted[i]
             try:  # a fault of this row alone (its sampling, its stop handling) fails this row alone
                 if seq.sampler.fault is not None:
                     raise seq.sampler.fault
@@ -271,9 +274,6 @@ class BatchScheduler:
                 seq.finish_reason = "error"
                 out = row_check.error_output(seq, e)
             self.generated_tokens += len(seq.token_ids) - before
-            if result.drafted:
-                seq.drafted += result.drafted[i]
-                seq.accepted += result.accepted[i]
             outputs.append(out)
             if seq.finish_reason:
                 finished.append(seq)
