@@ -51,11 +51,6 @@ def test_values_are_read_including_the_hosts_max_num_seqs():
     [
         (["--scheduler-headroom-gb", "16"], "--scheduler-headroom-gb"),  # all of the device
         (["--scheduler-headroom-gb", "20"], "--scheduler-headroom-gb"),
-        (["--scheduler-headroom-gb=-1"], "--scheduler-headroom-gb"),
-        (["--scheduler-headroom-gb", "nan"], "--scheduler-headroom-gb"),
-        (["--scheduler-max-queue=-1"], "--scheduler-max-queue"),
-        (["--scheduler-queue-timeout", "0"], "--scheduler-queue-timeout"),
-        (["--scheduler-queue-timeout=-5"], "--scheduler-queue-timeout"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
     ],
 )
@@ -63,6 +58,34 @@ def test_impossible_values_name_the_flag(flags, bad_flag):
     with pytest.raises(FlagError) as err:
         validate(parse(*flags), device=CPU_16G)
     assert err.value.flag == bad_flag and str(err.value).startswith(f"argument {bad_flag}: ")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--scheduler-headroom-gb=-1"], "argument --scheduler-headroom-gb: must be a finite number >= 0, got '-1'"),
+        (["--scheduler-headroom-gb", "nan"], "argument --scheduler-headroom-gb: must be a finite number >= 0"),
+        (["--scheduler-max-queue=-1"], "argument --scheduler-max-queue: must be an integer >= 0, got -1"),
+        (["--scheduler-max-queue", "many"], "argument --scheduler-max-queue: must be an integer >= 0, got 'many'"),
+        (["--scheduler-queue-timeout", "0"], "argument --scheduler-queue-timeout: must be a number of seconds > 0"),
+        (["--scheduler-queue-timeout=-5"], "argument --scheduler-queue-timeout: must be a number of seconds > 0"),
+    ],
+)
+def test_out_of_range_values_are_refused_at_parse_time_naming_flag_and_rule(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(*flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_validate_still_checks_a_programmatic_namespace():
+    import argparse
+
+    for name, value, flag in (("scheduler_headroom_gb", -1.0, "--scheduler-headroom-gb"),
+                              ("scheduler_max_queue", -1, "--scheduler-max-queue"),
+                              ("scheduler_queue_timeout", 0.0, "--scheduler-queue-timeout")):
+        with pytest.raises(FlagError) as err:
+            validate(argparse.Namespace(**{name: value}), device=CPU_16G)
+        assert err.value.flag == flag
 
 
 def test_bad_policy_is_an_argparse_error(capsys):

@@ -431,3 +431,36 @@ def test_register_metrics_defaults_to_the_host_registry():
         assert samples[("vllm_mlx_mtp_routing_admission_budget_bytes", ())] == 1000 * MB
     finally:
         host_metrics._enabled = was_enabled
+
+
+def test_retry_after_follows_the_measured_drain_rate() -> None:
+    from vllm_mlx_mtp_routing.admission.refusals import DrainRate
+
+    now = [0.0]
+    drain = DrainRate(lambda: now[0])
+    assert drain.retry_after(queued=3, running=2, mean_run_s=None, oldest_running_s=7.2) == 8  # no history
+    assert drain.retry_after(queued=3, running=2, mean_run_s=4.0, oldest_running_s=0) == 8  # 2 slots / 4 s
+    for t in (10.0, 10.5, 11.0, 11.5, 12.0):  # 2 completions per second
+        now[0] = t
+        drain.completed()
+    assert drain.retry_after(queued=9, running=4, mean_run_s=4.0, oldest_running_s=0) == 5  # 10 ahead / 2 per s
+    now[0] = 100.0  # the window has gone stale: back to the slots over the mean run time
+    assert drain.retry_after(queued=9, running=4, mean_run_s=4.0, oldest_running_s=0) == 10
+
+
+def test_refusals_log_once_per_burst_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from vllm_mlx_mtp_routing.admission.refusals import BURST_GAP_S, BurstLog
+
+    now = [0.0]
+    log = BurstLog(lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_mtp_routing.admission"):
+        for i in range(40):
+            now[0] = i * 0.01
+            log.refused("queue_full", "server busy")
+        now[0] += BURST_GAP_S
+        log.flush()
+    lines = [r for r in caplog.records if r.name == "vllm_mlx_mtp_routing.admission"]
+    assert len(lines) == 2 and all(r.levelname == "INFO" for r in lines)
+    assert "40 requests refused" in lines[1].getMessage() and "40 queue_full" in lines[1].getMessage()

@@ -68,6 +68,9 @@ def test_burst_gets_complete_streams_or_503(server: Server) -> None:
     assert stats["policy"] == "fifo"
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "vllm_mlx_mtp_routing_admission" in metrics
+    log = server.log()
+    assert "server busy" not in "".join(line for line in log.splitlines(True) if "ERROR" in line)  # not an error
+    assert "Refusing requests (queue_full)" in log  # one INFO line when the burst starts
 
 
 def test_bad_priority_header_is_400(server: Server) -> None:

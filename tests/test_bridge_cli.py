@@ -181,3 +181,65 @@ def test_native_hooks_make_the_bridge_step_aside(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("False")
+
+
+def test_broken_bridge_with_plugins_requested_exits_1_in_one_line() -> None:
+    code = (
+        "import sys; sys.modules['vllm_mlx_mtp_routing.host.bridge'] = None\n"
+        "sys.argv = ['vllm-mlx', 'serve', 'some-model']\n"
+        "import vllm_mlx.cli as cli; cli.main()\n"
+    )
+    env = {**os.environ, "VLLM_MLX_PLUGINS": "mtp-routing"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.strip().splitlines() if not line.startswith("[transformers]")]
+    assert len(lines) == 1 and "plugin bridge cannot be imported" in lines[0] and "ModuleNotFoundError" in lines[0]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_unimportable_package_with_plugins_requested_exits_1_in_one_line(tmp_path: Path, how: str) -> None:
+    shadow = tmp_path / "vllm_mlx_mtp_routing"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('numpy version mismatch')\n")
+    args = ("serve", "some-model", *(("--plugins", "mtp-routing") if how == "flag" else ()))
+    result = run_cli(*args, path=tmp_path, env={"VLLM_MLX_PLUGINS": "mtp-routing"} if how == "env" else None)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ImportError: numpy version mismatch" in lines[0], result.stderr
+
+
+def test_empty_plugins_flag_exits_2() -> None:
+    result = run_cli("serve", "some-model", "--plugins", "")
+    assert result.returncode == 2
+    assert "argument --plugins: expected one or more plugin names" in result.stderr
+
+
+def test_flag_errors_name_the_flag_and_the_rule() -> None:
+    result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--mtp-max-batch-size", "x")
+    assert result.returncode == 2
+    assert "argument --mtp-max-batch-size: must be an integer >= 1, got 'x'" in result.stderr
+    result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--scheduler-queue-timeout", "-3")
+    assert result.returncode == 2 and "argument --scheduler-queue-timeout: must be a number of seconds > 0" in result.stderr
+
+
+def test_serve_command_given_a_bare_namespace_uses_plugin_defaults() -> None:
+    # A program that calls serve_command itself (the host's own tests do) with none of the plugin flags.
+    code = (
+        "import sys, types\n"
+        "sys.argv = ['prog']\n"
+        "import vllm_mlx.cli as cli\n"
+        "cli.create_parser()\n"
+        "import vllm_mlx_mtp_routing.host.bridge as bridge\n"
+        "seen = {}\n"
+        "import vllm_mlx_mtp_routing.host.server_hooks as hooks\n"
+        "hooks.install = lambda state: seen.update(vars(state.args))\n"
+        "ns = types.SimpleNamespace(plugins='mtp-routing', max_num_seqs=4)\n"
+        "try:\n"
+        "    cli.serve_command(ns)\n"
+        "except BaseException:\n"
+        "    pass  # the host's serve_command fails later on the bare namespace; the plugin part is done\n"
+        "print(seen.get('mtp_schedule'), seen.get('scheduler_max_queue'), seen.get('mtp_routing_disable'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_MLX_PLUGINS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "adaptive 128 False", out.stdout + out.stderr

@@ -12,7 +12,10 @@ from typing import Any
 from . import __version__, admission
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
+from .flag_types import int_at_least, non_negative
+from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
+from .request_validation import validate_inline_images, validate_parameters
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
@@ -29,6 +32,7 @@ class _State:
     routing_active: bool = False
     mtp_schedule: str = "adaptive"
     mtp_max_batch_size: int | None = None
+    prefill_stall_ratio: float = DEFAULT_STALL_RATIO
 
 
 STATE = _State()
@@ -50,19 +54,21 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
     )
     group.add_argument(
         "--mtp-max-batch-size",
-        type=_positive_int,
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="Text-path MTP drafts only while the batch has at most N rows (default: no limit).",
     )
+    group.add_argument(
+        "--prefill-stall-ratio",
+        type=non_negative,
+        default=DEFAULT_STALL_RATIO,
+        metavar="R",
+        help="Text path: a step's prefill chunk is sized at start from measured throughput to take at most R "
+        f"decode steps (default {DEFAULT_STALL_RATIO:g}), so running streams and /health keep their cadence while a "
+        "long prompt prefills; capped by --prefill-step-size. 0: chunks of --prefill-step-size tokens.",
+    )
     admission.add_arguments(group)
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
 
 
 @hookimpl
@@ -70,6 +76,7 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.admission = admission.validate(args)
     STATE.mtp_schedule = args.mtp_schedule
     STATE.mtp_max_batch_size = args.mtp_max_batch_size
+    STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
 
 
 @hookimpl
@@ -106,6 +113,15 @@ def eos_token_ids(model_path: Path, config: dict[str, Any], tokenizer: Any) -> l
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def context_tokens(config: dict[str, Any]) -> int | None:
+    """The model's context length (text_config first: a VLM's top level may describe the vision tower)."""
+    for source in (config.get("text_config") or {}, config):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _admission_controller(info: ModelInfo, router: RoutingEngine, text_engine: Any = None) -> Any:
@@ -145,6 +161,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
 
     router.tokenizer_for_text = info.tokenizer
     router.tokens_per_media_item = engine_access.tokens_per_media_item(router.wrapped)
+    router.context_tokens = context_tokens(info.config)
     try:
         bundle = build_text_model(info.model, Path(info.model_path), info.config, enable_mtp=router.settings.enable_mtp)
     except TextModelUnavailable as exc:
@@ -166,6 +183,12 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         )
     elif router.settings.enable_mtp:
         logger.info("mtp-routing: --enable-mtp, but the text path runs without MTP: %s", bundle.mtp_unavailable_reason)
+    from .text_engine.prefill_budget import calibrate
+
+    vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
+    router.prefill_budget = calibrate(
+        bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
+    )
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
@@ -174,6 +197,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
         decode=router.mtp_decode,
     )
+    router.prefill_budget.apply(text_engine.scheduler)
     # Built once the text path knows whether MTP loaded: its projection comes from the engine.
     router.admission = _admission_controller(info, router, text_engine)
     return router.start_text_path(text_engine)
@@ -190,11 +214,11 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
             request.options["priority"] = int(value)
         except ValueError:
             raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
+    validate_parameters(request.body, request.options)
+    validate_inline_images(request.body.get("messages") if request.body else request.messages)
     seed = request.body.get("seed")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise RequestRejected(400, f"seed must be an integer, got {seed!r}")
-        request.options["seed"] = seed
+        request.options["seed"] = int(seed)
 
 
 @hookimpl

@@ -8,6 +8,7 @@ under mixed load text and media steps alternate and neither path waits for the o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections import Counter
@@ -16,9 +17,12 @@ from typing import Any, AsyncIterator
 
 from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
+from .host import asgi
 from .host import engine_access as host
 from .normalize import normalize_messages
+from .request_validation import fit_to_context
 from .text_engine.outputs import TextOutput
+from .text_engine.row_check import preflight
 from .text_engine.sampling import SamplingOptions
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
@@ -98,11 +102,23 @@ class RoutingSettings:
 
 
 class RoutingEngine(EngineDecorator):
-    """Decorates the host's BatchedEngine; the host engine keeps doing what it does."""
+    """Decorates the host's BatchedEngine; the host engine keeps doing what it does.
+
+    The host's public engine surface, deliberately: generation (``chat``, ``stream_chat``,
+    ``generate``, ``stream_generate``), ``abort_request``, ``get_stats``, ``clear_runtime_caches``,
+    ``is_healthy`` and ``stop`` are served here for both paths; ``FORWARDED`` names what only the host's
+    engine has (its mlx-vlm prefix cache, its model and tokenizer, ``start``: the text path starts from
+    the model-loaded hook once the host has loaded the model) and is read from it.
+    """
+
+    FORWARDED = frozenset({
+        "start", "get_cache_stats", "save_cache_to_disk", "load_cache_from_disk", "clear_prefix_cache", "prepare_for_start",
+        "is_mllm", "model_name", "tokenizer", "preserve_native_tool_format",
+    })
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode",
+        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -114,7 +130,9 @@ class RoutingEngine(EngineDecorator):
         self.disabled_reason: str | None = "model not loaded yet"
         self.admission: Any = None  # an admission.AdmissionController once the model is loaded
         self.tokens_per_media_item = 0
+        self.context_tokens: int | None = None  # the model's context (max_position_embeddings), once loaded
         self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
+        self.prefill_budget: Any = None  # text_engine.prefill_budget.PrefillBudget, once calibrated
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info(
                 "MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings), so the host's "
@@ -162,29 +180,67 @@ class RoutingEngine(EngineDecorator):
     def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
         return self._encode(self._render(messages, options))
 
+    def _fit_context(self, prompt_tokens: int, options: dict[str, Any]) -> None:
+        """400 before any prefill when the prompt cannot fit the model's context; a default max_tokens is cut to fit."""
+        ctx = asgi.current()
+        explicit = ctx is None or not ctx.body or any(k in ctx.body for k in ("max_tokens", "max_completion_tokens"))
+        max_tokens = int(options.get("max_tokens") or 256)
+        fitted = fit_to_context(prompt_tokens, max_tokens, self.context_tokens, explicit=explicit)
+        if fitted != max_tokens:
+            options["max_tokens"] = fitted
+
     async def _admit(self, path: str, prompt_tokens: int, options: dict[str, Any], priority: int) -> Any:
-        """Wait for room, or raise RequestRejected (503 busy, 413 never fits) before any output exists."""
+        """Wait for room, or raise RequestRejected (503 busy, 413 never fits) before any output exists.
+
+        The slot is released when the HTTP request ends, however it ends (``asgi.on_request_end``); a
+        request still waiting when its HTTP request ends is withdrawn from the queue.
+        """
         if self.admission is None:
             return None
-        return await self.admission.acquire(
-            prompt_tokens=prompt_tokens, max_tokens=int(options.get("max_tokens") or 256), priority=priority, path=path
-        )
+        ctx = asgi.current()
+        max_wait = host.request_wait_limit(ctx.body) if ctx is not None else None
+        waiting_task = asyncio.current_task()
+        waiting = [True]
+        asgi.on_request_end(lambda: waiting[0] and waiting_task is not None and waiting_task.cancel())
+        try:
+            ticket = await self.admission.acquire(
+                prompt_tokens=prompt_tokens, max_tokens=int(options.get("max_tokens") or 256), priority=priority, path=path,
+                max_wait_s=max_wait,
+            )
+        finally:
+            waiting[0] = False
+        asgi.on_request_end(ticket.release)
+        return ticket
 
     def _media_prompt_tokens(self, messages: list[dict[str, Any]] | None, prompt: str | None, options: dict[str, Any]) -> int:
         """A projection, not a count: the host expands each image after admission, so every media item is
-        taken at the processor's bound (see tokens_per_media_item)."""
+        taken at the processor's bound (see tokens_per_media_item). The text alone must fit the context."""
         if messages is not None:
             prompt = self._render(messages, options)
         items = sum(len(options.get(k) or ()) for k in MEDIA_OPTIONS) + _media_parts(messages)
-        return len(self._encode(prompt or "")) + items * self.tokens_per_media_item
+        text_tokens = len(self._encode(prompt or ""))
+        self._fit_context(text_tokens, options)
+        return text_tokens + items * self.tokens_per_media_item
 
     async def _text_stream(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> AsyncIterator[TextOutput]:
+        self._fit_context(len(prompt_ids), options)
+        try:
+            sampling = sampling_options(options)
+            preflight(sampling)
+        except ValueError as exc:  # RowOptionsError included: this request's own options, its own 400
+            raise RequestRejected(400, str(exc)) from exc
         ticket = await self._admit("text", len(prompt_ids), options, priority)
         request_id: str | None = None
         finished = False
+        engine = self.text_engine
+        rid = f"text-{uuid.uuid4().hex[:12]}"
+        asgi.on_request_end(lambda: engine.abort_now(rid, forget=True))
+        ctx = asgi.current()
+        if ctx is not None:
+            ctx.cancel = lambda: engine.abort_now(rid)
         try:
-            request_id = await self.text_engine.add_request(
-                prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}",
+            request_id = await engine.add_request(
+                prompt_ids, sampling, rid,
                 # the prefill working set is given back once the row joins the batch
                 on_joined=ticket.prefill_done if ticket is not None else None,
             )
@@ -193,7 +249,7 @@ class RoutingEngine(EngineDecorator):
                 yield out
         finally:
             if request_id is not None and not finished:  # client went away or the task was cancelled
-                await self.text_engine.abort(request_id)
+                engine.abort_now(request_id)
             if ticket is not None:
                 ticket.release()
 
@@ -259,12 +315,52 @@ class RoutingEngine(EngineDecorator):
         async for out in self._text_stream(self._encode(prompt), {**kwargs, **plugin}, priority):
             yield to_generation_output(out, streaming=True)
 
+    async def abort_request(self, request_id: str) -> bool:
+        """Cancel by id (``POST /v1/requests/{id}/cancel``): a text-engine id, the response id of a
+        stream (``chatcmpl-...`` from its first chunk), else the host's own request ids."""
+        if self.text_engine is not None and self.text_engine.abort_now(request_id):
+            return True
+        if asgi.cancel_by_response_id(request_id):
+            return True
+        return bool(await self.wrapped.abort_request(request_id))
+
+    def get_stats(self) -> dict[str, Any]:
+        """The host's stats with the text path's requests counted in (``/health``, ``/v1/status``)."""
+        stats = dict(self.wrapped.get_stats())
+        if self.text_engine is not None:
+            text = self.text_engine.stats()
+            stats["num_running"] = int(stats.get("num_running") or 0) + text["running"] + text["prefilling"]
+            stats["num_waiting"] = int(stats.get("num_waiting") or 0) + text["waiting"]
+        if self.admission is not None:
+            stats["num_waiting"] = int(stats.get("num_waiting") or 0) + self.admission.queued
+        return stats
+
+    def clear_runtime_caches(self) -> dict[str, Any] | None:
+        """The host's caches, and the MLX buffer cache the text path leaves behind."""
+        import mlx.core as mx
+
+        result = self.wrapped.clear_runtime_caches()
+        before = mx.get_cache_memory()
+        mx.clear_cache()
+        text = {"buffer_cache_bytes_freed": int(before - mx.get_cache_memory())}
+        return {**result, "text_path": text} if isinstance(result, dict) else {"host": result, "text_path": text}
+
+    async def _clear_runtime_caches_on_owner(self) -> dict[str, Any] | None:
+        # Both schedulers step on the event-loop thread, which owns the arrays: clear here.
+        return self.clear_runtime_caches()
+
+    def is_healthy(self) -> bool:
+        text_ok = self.text_engine is None or self.text_engine.running
+        return bool(self.wrapped.is_healthy()) and text_ok
+
     def routing_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"routing": dict(self.routes), "text_path": self.disabled_reason is None}
         if self.disabled_reason is not None:
             stats["text_path_disabled_reason"] = self.disabled_reason
         if self.text_engine is not None:
             stats["text_engine"] = self.text_engine.stats()
+        if self.prefill_budget is not None:
+            stats["prefill"] = self.prefill_budget.stats()
         if self.admission is not None:
             stats["admission"] = self.admission.stats()
         stats["mtp"] = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FlagError
+from ..flag_types import int_at_least, non_negative, seconds
 from .device_memory import GiB, default_headroom_bytes, device_memory_bytes
 from .policies import POLICIES
 
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     )
     parser.add_argument(
         "--scheduler-headroom-gb",
-        type=float,
+        type=non_negative,
         default=None,
         metavar="G",
         help="Memory (GiB) kept free below the device's memory; requests are admitted while their "
@@ -53,14 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     )
     parser.add_argument(
         "--scheduler-max-queue",
-        type=int,
+        type=int_at_least(0),
         default=DEFAULT_MAX_QUEUE,
         metavar="N",
         help=f"Requests that may wait for room; more are answered 503 + Retry-After. Default {DEFAULT_MAX_QUEUE}.",
     )
     parser.add_argument(
         "--scheduler-queue-timeout",
-        type=float,
+        type=seconds,
         default=DEFAULT_QUEUE_TIMEOUT_S,
         metavar="S",
         help="Seconds a request may wait for room before a 503 + Retry-After ('inf': no limit). "

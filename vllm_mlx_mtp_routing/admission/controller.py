@@ -40,6 +40,7 @@ import mlx.core as mx
 from ..errors import RequestRejected
 from .memory_model import MemoryModel, Projection
 from .policies import POLICIES, QueuedRequest, sort_key
+from .refusals import BurstLog, DrainRate
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class _Waiter:
     path: str
     loop: asyncio.AbstractEventLoop
     enqueued_at: float
+    timeout_s: float | None = None  # how long it may wait: the queue timeout, or less for this request
     event: asyncio.Event = field(default_factory=asyncio.Event)
     ticket: Ticket | None = None
 
@@ -154,6 +156,8 @@ class AdmissionController:
         self._wait_count = 0
         self._wait_sum = 0.0
         self._run_s_ewma: float | None = None
+        self._drain = DrainRate(clock)
+        self._burst_log = BurstLog(clock)
 
     @classmethod
     def from_settings(cls, settings: Any, *, memory_model: MemoryModel | None = None, **kwargs: Any) -> "AdmissionController":
@@ -181,12 +185,14 @@ class AdmissionController:
         return Projection(p.persistent_bytes + max(extra_bytes, 0), p.transient_bytes)
 
     async def acquire(self, *, prompt_tokens: int, max_tokens: int, priority: int = 0,
-                      path: str = "text", extra_bytes: int = 0) -> Ticket:
+                      path: str = "text", extra_bytes: int = 0, max_wait_s: float | None = None) -> Ticket:
         """Wait for room and return a Ticket, or raise RequestRejected (413 never fits, 503 busy).
 
         `priority`: higher runs first under the priority policy. `path` ("text", "media") picks the
         path's own memory model where one was given (``path_models``), else the shared one.
         `extra_bytes` adds memory the model does not know about (e.g. a vision tower's activations).
+        `max_wait_s` shortens the queue timeout for this request (e.g. below the server's own request
+        timeout, so the wait ends with this controller's 503, not an empty response).
         Cancelling the awaiting task withdraws the request, or releases it if it was just admitted.
         Call on the event loop that serves the request; `Ticket.release()` may come from any thread.
         """
@@ -194,7 +200,8 @@ class AdmissionController:
         loop = asyncio.get_running_loop()
         with self._lock:
             request = QueuedRequest(next(self._seq), int(prompt_tokens), int(max_tokens), int(priority))
-            waiter = _Waiter(request, projection, path, loop, self._clock())
+            limits = [t for t in (self.queue_timeout_s, max_wait_s) if t is not None]
+            waiter = _Waiter(request, projection, path, loop, self._clock(), min(limits) if limits else None)
             if not self._running:
                 self._baseline = int(self._active_memory())
             available = self.budget_bytes - self._baseline
@@ -212,12 +219,10 @@ class AdmissionController:
                 return self._admit(waiter)
             if len(self._waiting) >= self.max_queue:
                 self._rejected["queue_full"] += 1
-                raise RequestRejected(
-                    503,
-                    f"server busy: {len(self._running)} running and {len(self._waiting)} queued "
-                    f"(--scheduler-max-queue {self.max_queue}); retry later",
-                    retry_after=self._retry_after(),
-                )
+                message = (f"server busy: {len(self._running)} running and {len(self._waiting)} queued "
+                           f"(--scheduler-max-queue {self.max_queue}); retry later")
+                self._burst_log.refused("queue_full", message)
+                raise RequestRejected(503, message, retry_after=self._retry_after())
             self._waiting.append(waiter)
             self._queued_total += 1
         try:
@@ -242,6 +247,10 @@ class AdmissionController:
             yield ticket
         finally:
             ticket.release()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and the current state. `queued` is waiting now, `queued_total` ever
@@ -281,7 +290,7 @@ class AdmissionController:
     # -- internals (all state changes under self._lock) ------------------------------------------
 
     async def _wait(self, waiter: _Waiter) -> Ticket:
-        deadline = None if self.queue_timeout_s is None else waiter.enqueued_at + self.queue_timeout_s
+        deadline = None if waiter.timeout_s is None else waiter.enqueued_at + waiter.timeout_s
         # asyncio.wait, not wait_for: wait_for (3.10/3.11) can swallow a cancellation that races
         # with the wake-up, and a disconnected client's handler would then run anyway.
         woken = asyncio.ensure_future(waiter.event.wait())
@@ -310,12 +319,10 @@ class AdmissionController:
             self._waiting.remove(waiter)
             self._rejected["queue_timeout"] += 1
             self._dispatch()
-            raise RequestRejected(
-                503,
-                f"server busy: no room for this request within --scheduler-queue-timeout "
-                f"{self.queue_timeout_s:g}s; retry later",
-                retry_after=self._retry_after(),
-            )
+            limit = "--scheduler-queue-timeout" if waiter.timeout_s == self.queue_timeout_s else "the request timeout"
+            message = f"server busy: no room for this request within {limit} ({waiter.timeout_s:g}s); retry later"
+            self._burst_log.refused("queue_timeout", message)
+            raise RequestRejected(503, message, retry_after=self._retry_after())
 
     def _fits(self, need: int) -> bool:
         live = int(self._active_memory())
@@ -355,6 +362,8 @@ class AdmissionController:
             self._completed += 1
             run_s = max(self._clock() - ticket.admitted_at, 0.0)
             self._run_s_ewma = run_s if self._run_s_ewma is None else 0.8 * self._run_s_ewma + 0.2 * run_s
+            self._drain.completed()
+            self._burst_log.flush()
             self._dispatch()
 
     def _shrink(self, ticket: Ticket) -> None:
@@ -366,11 +375,10 @@ class AdmissionController:
             self._dispatch()
 
     def _retry_after(self) -> float:
-        """Seconds until a retry likely finds room: the queue ahead drained at the observed rate."""
-        if self._run_s_ewma is None:
-            return 1.0
-        ahead = (len(self._waiting) + 1) / max(len(self._running), 1)
-        return float(min(max(math.ceil(self._run_s_ewma * ahead), 1), 600))
+        """Seconds until a retry likely finds room: the queue ahead drained at the measured rate."""
+        now = self._clock()
+        oldest = max((now - t.admitted_at for t in self._running.values()), default=0.0)
+        return self._drain.retry_after(len(self._waiting), len(self._running), self._run_s_ewma, oldest)
 
 
 def _wake(waiter: _Waiter) -> None:

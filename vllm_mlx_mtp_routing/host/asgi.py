@@ -1,4 +1,10 @@
-"""Request context for hooks, and refusals that stay plain HTTP errors even for streams.
+"""Request context for hooks, the request's lifetime, and refusals that stay plain HTTP errors for streams.
+
+Lifetime. Whatever a request holds (an admission slot, a text-engine row) is released when its
+ASGI call ends, however it ends: the middleware runs the callbacks registered with
+``on_request_end`` in its own ``finally``. A generator's ``finally`` is not enough: on a client
+disconnect vllm-mlx 0.6.0 closes its SSE wrapper, whose terminal-frame helper yields inside
+``finally``, so the close fails and the inner generators are finalized only by the garbage collector.
 
 The host's OpenAI stream yields its role chunk before it calls the engine, so a refusal raised by the
 engine would otherwise land as an error frame inside a 200 stream. For streamed generation responses
@@ -12,12 +18,21 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
+import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ..errors import RequestRejected
 
+logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
+
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+# A stream still undecided after this long (queued for admission, or a long prefill) gets its response
+# start and the host's heartbeats, so clients and proxies with idle timeouts keep the connection.
+HOLD_LIMIT_S = 2.0
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"]{1,128})"')
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -30,6 +45,15 @@ class RequestContext:
     body: dict[str, Any] = field(default_factory=dict)  # the JSON body, fields the host's models drop included
     engine_started: bool = False
     rejection: RequestRejected | None = None
+    stream_started: bool = False  # the client has the stream's response start: a refusal is a frame now
+    refused: bool = False  # refused by a plugin (busy, bad input): the host's error logs for it are noise
+    response_id: str | None = None  # the id in the first SSE chunk (chatcmpl-..., msg_...), for cancel by id
+    cancel: Callable[[], bool] | None = None  # cancels what the engine runs for this request
+    cleanups: list[Callable[[], Any]] = field(default_factory=list)
+
+
+# Requests whose stream showed its response id, by that id: cancel by id finds them here.
+LIVE: dict[str, RequestContext] = {}
 
 
 CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("vllm_mlx_plugin_request", default=None)
@@ -37,6 +61,40 @@ CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
 
 def current() -> RequestContext | None:
     return CURRENT.get()
+
+
+class RefusalLogFilter(logging.Filter):
+    """Drops the host's ERROR lines about a request a plugin refused: vllm-mlx 0.6.0 logs every exception
+    out of a stream generator at ERROR ("Streaming error, ensuring terminal frame", "[disconnect_guard]
+    generator raised"), so a burst of 503s flooded the log. The admission controller logs refusals at
+    INFO, once per burst."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = CURRENT.get()
+        return not (ctx is not None and ctx.refused and record.levelno >= logging.ERROR)
+
+
+def on_request_end(callback: Callable[[], Any]) -> None:
+    """Run ``callback`` when the current HTTP request ends, however it ends (no-op outside one)."""
+    ctx = CURRENT.get()
+    if ctx is not None:
+        ctx.cleanups.append(callback)
+
+
+def cancel_by_response_id(response_id: str) -> bool:
+    ctx = LIVE.get(response_id)
+    return bool(ctx is not None and ctx.cancel is not None and ctx.cancel())
+
+
+def _end_request(ctx: RequestContext) -> None:
+    if ctx.response_id is not None:
+        LIVE.pop(ctx.response_id, None)
+    callbacks, ctx.cleanups = ctx.cleanups, []
+    for callback in reversed(callbacks):
+        try:
+            callback()
+        except Exception:  # one failed release must not skip the others
+            logger.exception("request cleanup failed")
 
 
 def error_body(exc: RequestRejected) -> dict[str, Any]:
@@ -64,6 +122,7 @@ class PluginRequestMiddleware:
             else:
                 await self.app(scope, receive, send)
         finally:
+            _end_request(ctx)
             CURRENT.reset(token)
 
 
@@ -95,12 +154,19 @@ class _BodyTap:
 
 
 class _HoldingSend:
-    """Holds an event stream's start and early chunks until the engine has decided on the request."""
+    """Holds an event stream's start and early chunks until the engine has decided on the request.
+
+    A refusal decided while held replaces the stream with its plain HTTP status. A request still
+    undecided after ``HOLD_LIMIT_S`` (queued, or prefilling a long prompt) is let through at the next
+    message the host sends (its heartbeats come every few seconds): the client then has the response
+    start and keep-alive comments, and a later refusal arrives as an error frame and ``[DONE]``.
+    """
 
     def __init__(self, send: Send, ctx: RequestContext) -> None:
         self._send = send
         self._ctx = ctx
         self._held: list[Message] | None = None
+        self._held_since = 0.0
         self._replaced = False
 
     async def __call__(self, message: Message) -> None:
@@ -110,20 +176,31 @@ class _HoldingSend:
             content_type = dict(message.get("headers", [])).get(b"content-type", b"")
             if content_type.startswith(b"text/event-stream"):
                 self._held = [message]
+                self._held_since = time.monotonic()
                 return
         elif self._held is not None:
             if self._ctx.rejection is not None:
                 self._replaced = True
                 await self._send_rejection(self._ctx.rejection)
                 return
+            self._note_response_id(message)
             self._held.append(message)
-            if not (self._ctx.engine_started or not message.get("more_body", False)):
+            waited = time.monotonic() - self._held_since >= HOLD_LIMIT_S
+            if not (self._ctx.engine_started or waited or not message.get("more_body", False)):
                 return
             held, self._held = self._held, None
+            self._ctx.stream_started = True
             for m in held:
                 await self._send(m)
             return
         await self._send(message)
+
+    def _note_response_id(self, message: Message) -> None:
+        if self._ctx.response_id is None and message["type"] == "http.response.body":
+            match = _RESPONSE_ID.search(message.get("body", b"")[:4096])
+            if match:
+                self._ctx.response_id = match.group(1).decode("latin-1")
+                LIVE[self._ctx.response_id] = self._ctx
 
     async def _send_rejection(self, exc: RequestRejected) -> None:
         body = json.dumps(error_body(exc)).encode()

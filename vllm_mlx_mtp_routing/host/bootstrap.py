@@ -66,9 +66,16 @@ def uninstall() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _CliFinder)]
 
 
+def plugins_requested(argv: list[str], environ: Any) -> bool:
+    """A ``serve`` that names plugins (flag or environment): it must not start without them."""
+    return "serve" in argv and (bool(environ.get("VLLM_MLX_PLUGINS", "").strip()) or any(a.startswith("--plugins") for a in argv))
+
+
 def _report_if_requested(exc: BaseException) -> None:
-    # Silent for plain runs; a user who asked for plugins deserves to know why they are missing.
+    # Silent for plain runs; a server asked for plugins must not start as a stock one.
     import os
 
-    if "--plugins" in " ".join(sys.argv) or os.environ.get("VLLM_MLX_PLUGINS"):
-        print(f"vllm-mlx: plugin bridge unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if plugins_requested(sys.argv, os.environ):
+        message = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        print(f"vllm-mlx: error: plugins requested but the plugin bridge cannot be imported: {message}", file=sys.stderr)
+        raise SystemExit(1)

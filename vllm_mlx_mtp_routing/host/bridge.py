@@ -35,6 +35,9 @@ class BridgeState:
     serve_parser: argparse.ArgumentParser
     args: argparse.Namespace | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    # Defaults of the flags the plugins added: a namespace built without them (a program calling
+    # serve_command itself, as the host's own tests do) gets these.
+    plugin_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 STATE: BridgeState | None = None
@@ -64,11 +67,20 @@ def attach_cli(cli: ModuleType) -> None:
         return parser
 
     def serve_command_with_plugins(args: argparse.Namespace) -> Any:
+        global STATE
         if STATE is None:
-            if getattr(args, "plugins", None) and SERVE_PARSER is not None:
+            from ..plugin_names import parse_names
+
+            names = parse_names(getattr(args, "plugins", None))
+            if not names or SERVE_PARSER is None:
+                return serve_command(args)
+            if "serve" in sys.argv[1:]:
                 # argparse accepts abbreviations (--plug) that the pre-scan of argv cannot see
                 SERVE_PARSER.error("argument --plugins: spell the flag out in full as --plugins")
-            return serve_command(args)
+            # Plugins named only in the namespace: a program calling serve_command itself (the host's
+            # own tests do). Load them now; their flags take their defaults.
+            STATE = load_into_parser(SERVE_PARSER, names)
+        args = with_plugin_defaults(STATE, args)
         _prepare_serve(STATE, args)
         return serve_command(args)
 
@@ -98,10 +110,22 @@ def _extend_parser(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         return
     from ..plugin_names import requested_names
 
+    if _empty_plugins_flag(argv):
+        serve.error("argument --plugins: expected one or more plugin names (comma-separated), got ''")
     names = requested_names(argv)
     if not names:
         return  # stock behaviour: nothing imported, nothing scanned
     STATE = load_into_parser(serve, names)
+
+
+def _empty_plugins_flag(argv: list[str]) -> bool:
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        value = argv[i + 1] if arg == "--plugins" and i + 1 < len(argv) else arg.split("=", 1)[1] if arg.startswith("--plugins=") else None
+        if value is not None and not value.replace(",", "").strip():
+            return True
+    return False
 
 
 def load_into_parser(serve: argparse.ArgumentParser, names: list[str]) -> BridgeState:
@@ -114,10 +138,12 @@ def load_into_parser(serve: argparse.ArgumentParser, names: list[str]) -> Bridge
         serve.error(f"argument --plugins: {exc}")
     except (PluginImportError, UnknownHookError) as exc:
         serve.exit(1, f"{serve.prog}: error: {exc}\n")
+    host_dests = {a.dest for a in serve._actions}
     for plugin in loaded:
         group = serve.add_argument_group(f"plugin {plugin.name}")
         call_plugin_hook(pm, "vllm_mlx_add_cli_args", plugin.name, parser=serve, group=group)
-    return BridgeState(names=names, pm=pm, plugins=loaded, serve_parser=serve)
+    defaults = {a.dest: a.default for a in serve._actions if a.dest not in host_dests and a.dest != argparse.SUPPRESS}
+    return BridgeState(names=names, pm=pm, plugins=loaded, serve_parser=serve, plugin_defaults=defaults)
 
 
 def call_plugin_hook(pm: Any, hook_name: str, plugin_name: str, **kwargs: Any) -> list[Any]:
@@ -129,12 +155,22 @@ def call_plugin_hook(pm: Any, hook_name: str, plugin_name: str, **kwargs: Any) -
     return results
 
 
+def with_plugin_defaults(state: BridgeState, args: Any) -> argparse.Namespace:
+    """``args`` as a Namespace that has every plugin flag: absent ones take their defaults."""
+    given = vars(args)
+    missing = {k: v for k, v in state.plugin_defaults.items() if k not in given}
+    return argparse.Namespace(**{**missing, **given}) if missing or not isinstance(args, argparse.Namespace) else args
+
+
 def _prepare_serve(state: BridgeState, args: argparse.Namespace) -> None:
     from ..errors import FlagError
     from ..plugin_names import parse_names
 
     if not set(parse_names(getattr(args, "plugins", None))) <= set(state.names):
-        state.serve_parser.error("argument --plugins: spell the flag out in full as --plugins")
+        state.serve_parser.error(
+            f"argument --plugins: names {getattr(args, 'plugins', None)!r}, but the command line loaded "
+            f"{','.join(state.names)!r}; name the plugins once, spelled out as --plugins"
+        )
     state.args = args
     try:
         state.pm.hook.vllm_mlx_validate_args(args=args)

@@ -61,3 +61,20 @@ def tokens_per_media_item(engine: Any) -> int:
     if not longest:
         return MAX_TOKENS_PER_MEDIA_ITEM
     return max(1, min(MAX_TOKENS_PER_MEDIA_ITEM, int(longest) // (patch * merge) ** 2))
+
+
+# The host ends a stream that shows no output for its request timeout (vllm-mlx 0.6.0
+# server._disconnect_guard, `--timeout`, default 300 s, per request the body's `timeout`).
+TIMEOUT_MARGIN_S = 5.0
+
+
+def request_wait_limit(body: dict[str, Any]) -> float | None:
+    """How long a request may wait for admission before the host's own inactivity timeout would end
+    its stream as an empty 200 (server internals: ``_default_timeout``)."""
+    from vllm_mlx import server
+
+    timeout = body.get("timeout") if isinstance(body.get("timeout"), (int, float)) else None
+    timeout = timeout or getattr(server, "_default_timeout", None)
+    if not timeout:
+        return None
+    return max(float(timeout) - TIMEOUT_MARGIN_S, float(timeout) / 2)

@@ -89,6 +89,14 @@ class HookedEngine(EngineDecorator):
                     ctx.engine_started = True
                 yield out
         except RequestRejected as exc:
+            if ctx is not None:
+                ctx.refused = True
+            if ctx is not None and ctx.stream_started:
+                # Too late for a status: the host's stream wrapper writes an HTTPException's status and
+                # detail into its terminal error frame (vllm-mlx 0.6.0 server._stream_error_payload).
+                from fastapi import HTTPException
+
+                raise HTTPException(exc.status_code, detail=exc.message) from exc
             if ctx is not None and not ctx.engine_started:
                 ctx.rejection = exc  # the middleware turns this into the HTTP status
             raise

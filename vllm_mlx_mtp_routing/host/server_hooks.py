@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import RequestRejected
@@ -38,7 +39,12 @@ def wrap_engine(state: BridgeState, engine: Any, kind: str, site: str, options: 
 def _factory(state: BridgeState, cls: Any, kind: str, site: str) -> Callable[..., Any]:
     @functools.wraps(cls, updated=())
     def build(*args: Any, **kwargs: Any) -> Any:
-        return wrap_engine(state, cls(*args, **kwargs), kind, site, kwargs)
+        # The class as its home module has it now: the host (load_model's SimpleEngine lookup) and its
+        # tests replace it there (vllm_mlx.engine.simple.SimpleEngine), and that must keep working.
+        current = getattr(sys.modules.get(cls.__module__), cls.__name__, cls)
+        if hasattr(current, "__wrapped_engine_class__"):
+            current = cls
+        return wrap_engine(state, current(*args, **kwargs), kind, site, kwargs)
 
     build.__wrapped_engine_class__ = cls  # type: ignore[attr-defined]
     return build
@@ -69,8 +75,17 @@ def install(state: BridgeState) -> None:
     server._build_engine = _build_engine
 
     app = server.app
-    app.add_middleware(asgi.PluginRequestMiddleware)
+    try:
+        app.add_middleware(asgi.PluginRequestMiddleware)
+    except RuntimeError:
+        # The app has served already (an in-process client before serve_command, as in the host's own
+        # tests): Starlette 1.x refuses add_middleware then, but rebuilds a cleared stack on the next call.
+        from starlette.middleware import Middleware
+
+        app.user_middleware.insert(0, Middleware(asgi.PluginRequestMiddleware))
+        app.middleware_stack = None
     app.add_exception_handler(RequestRejected, _rejected_handler)
+    logging.getLogger("vllm_mlx.server").addFilter(asgi.RefusalLogFilter())
     _replace_status_route(state, server)
     _register_plugin_routes(state, server)
 

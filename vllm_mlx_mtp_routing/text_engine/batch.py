@@ -34,12 +34,14 @@ the running rows by at most one chunk per step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import prefill_budget, row_check
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
 from ..admission.memory_model import MemoryModel
@@ -72,6 +74,9 @@ class BatchScheduler:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.prefill_step_size = prefill_step_size
+        self.prefill_chunk = prefill_step_size  # tokens per prefill forward; prefill_budget may lower it
+        self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
+        self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
         self.waiting: deque[Row] = deque()
@@ -142,21 +147,24 @@ class BatchScheduler:
             self.prefilling.append(self.waiting.popleft())
         outputs += self._prefill()
         if self.running:
+            tic = time.perf_counter()
             outputs += self._decode()
+            prefill_budget.note_decode_step(self, time.perf_counter() - tic)
         self.steps += 1
         return outputs
 
     def _prefill(self) -> list[TextOutput]:
         outputs = []
-        budget = self.prefill_step_size
-        done = 0
+        done, started, last = 0, time.perf_counter(), 0.0
         for seq in list(self.prefilling):
             try:
                 while seq.prefilled < seq.to_prefill:
-                    n = min(self.prefill_step_size, seq.to_prefill - seq.prefilled)
-                    if done and done + n > budget:
+                    n = min(self.prefill_chunk, seq.to_prefill - seq.prefilled)
+                    if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break
+                    tic = time.perf_counter()
                     done += self._prefill_chunk(seq)
+                    last = time.perf_counter() - tic
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
@@ -171,9 +179,10 @@ class BatchScheduler:
     def _prefill_chunk(self, seq: Row) -> int:
         state = self._prefill_state(seq)
         start = state.prefilled
-        # Boundaries at fixed multiples of the step from the prompt's start (or from where a
-        # restored state left off), never depending on the other requests.
-        n = min(self.prefill_step_size, seq.to_prefill - start)
+        # Boundaries at fixed multiples of the chunk (fixed for the server's life, see prefill_budget)
+        # from the prompt's start (or from where a restored state left off), never depending on the
+        # other requests.
+        n = min(self.prefill_chunk, seq.to_prefill - start)
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
         self.decode.prefill(self.model, chunk, state)
         state.prefilled += n
@@ -213,12 +222,19 @@ class BatchScheduler:
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
             before = len(seq.token_ids)
-            seq.add_tokens(tokens)
-            self.generated_tokens += len(seq.token_ids) - before
             if result.drafted:
                 seq.drafted += result.drafted[i]
                 seq.accepted += result.accepted[i]
-            outputs.append(seq.output())
+            try:  # a fault of this row alone (its sampling, its stop handling) fails this row alone
+                if seq.sampler.fault is not None:
+                    raise seq.sampler.fault
+                seq.add_tokens(tokens)
+                out = seq.output()
+            except Exception as e:
+                seq.finish_reason = "error"
+                out = row_check.error_output(seq, e)
+            self.generated_tokens += len(seq.token_ids) - before
+            outputs.append(out)
             if seq.finish_reason:
                 finished.append(seq)
         if finished:

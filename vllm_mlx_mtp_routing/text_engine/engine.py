@@ -129,11 +129,16 @@ class TextEngine:
         return last
 
     async def abort(self, request_id: str) -> bool:
+        return self.abort_now(request_id)
+
+    def abort_now(self, request_id: str, *, forget: bool = False) -> bool:
+        """Abort between steps (any callback on the loop thread is); ``forget`` also drops its output queue."""
         out = self.scheduler.abort(request_id)
-        if out is None:
-            return False
-        self._deliver(out)
-        return True
+        if out is not None:
+            self._deliver(out)
+        if forget:
+            self._queues.pop(request_id, None)
+        return out is not None
 
     def memory_model(self) -> MemoryModel:
         """What this engine allocates per request: admission's projection for the text path."""

@@ -52,6 +52,7 @@ class RowSampler:
         self.greedy = options.greedy
         self._seed = options.seed if options.seed is not None else random.getrandbits(63)
         self._key: mx.array | None = None  # built at first use, on the thread that steps
+        self.fault: BaseException | None = None  # a sampling fault of this row alone (see row_check)
 
     def next_key(self) -> mx.array:
         if self._key is None:
@@ -92,5 +93,14 @@ def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     greedy = mx.argmax(logits, axis=-1)
     if all(s.greedy for s in samplers):
         return greedy
-    rows = [greedy[i] if s.greedy else s.sample(logits[i]) for i, s in enumerate(samplers)]
+    rows = [greedy[i] if s.greedy else _sample_or_fault(s, logits[i], greedy[i]) for i, s in enumerate(samplers)]
     return mx.stack(rows).astype(greedy.dtype)
+
+
+def _sample_or_fault(sampler: RowSampler, logits: mx.array, fallback: mx.array) -> mx.array:
+    # A row's own fault must not fail the step the batch shares: note it, let the row be failed alone.
+    try:
+        return sampler.sample(logits)
+    except Exception as exc:
+        sampler.fault = exc
+        return fallback

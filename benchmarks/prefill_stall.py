@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Stall benchmark: running streams and /health while a long prompt prefills, before vs after.
+
+Through the real `vllm-mlx serve --plugins mtp-routing` on loopback. N streams decode; once each has
+produced a few tokens, one request with a P-token prompt arrives (max_tokens 1) while /health is
+polled every 50 ms. Reported per server: the median inter-token gap of the streams before the long
+prompt arrived (the decode cadence), the longest gap while it prefilled, /health's worst and median
+latency over that window, and the long prompt's time to its answer (TTFT). "before" runs the plugin
+from another checkout (`--base DIR`, put first on PYTHONPATH), "after" this checkout; both in one run,
+same model and flags. Target (issue 13): longest gap <= 3x the median decode gap plus one step's
+prefill budget; /health under 1 s.
+
+  python benchmarks/prefill_stall.py --base /path/to/baseline-checkout
+  python benchmarks/prefill_stall.py --model /root/qwen35-2b --prompt-tokens 16384   # on a GPU
+
+Writes benchmarks/results/prefill_stall-<device>.json (or --out) and prints a JSON summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_mlx_mtp_routing.testing.server import serve  # noqa: E402
+
+
+def long_prompt(model: Path, tokens: int) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+             "upsilon phi chi psi omega def class return import while for if else yield").split()
+    text, ids = "", []
+    i = 0
+    while len(ids) < tokens:
+        text += " ".join(words[(i * 7 + j) % len(words)] for j in range(200)) + f" {i}\n"
+        ids = tok.encode(text, add_special_tokens=False)
+        i += 1
+    return tok.decode(ids[: tokens - 16])  # room for the chat template's own tokens
+
+
+async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float) -> dict:
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
+    stop = asyncio.Event()
+
+    async def stream(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": f"def worker_{i}(queue):"}],
+                "max_tokens": 4000, "temperature": 0, "stream": True}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    arrivals[i].append(time.perf_counter())
+                if stop.is_set():
+                    return
+
+    health: list[tuple[float, float]] = []
+
+    async def poll_health(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            tic = time.perf_counter()
+            await client.get("/health")
+            health.append((tic, time.perf_counter() - tic))
+            await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+        tasks = [asyncio.create_task(stream(client, i)) for i in range(streams)]
+        t_wait = time.perf_counter()
+        while min(len(a) for a in arrivals) < warm_tokens:
+            await asyncio.sleep(0.01)
+            if time.perf_counter() - t_wait > timeout:
+                raise RuntimeError("streams did not start")
+        poller = asyncio.create_task(poll_health(client))
+        t0 = time.perf_counter()
+        response = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0})
+        t1 = time.perf_counter()
+        stop.set()
+        await poller
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if response.status_code != 200:
+        raise RuntimeError(f"long prompt: HTTP {response.status_code}: {response.text[:300]}")
+    before = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b < t0]
+    # a gap counts for the window when it ends inside it (the token that had to wait for the prefill)
+    during = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if t0 <= b <= t1 + 0.5]
+    starved = [t1 - arr[-1] for arr in arrivals if arr and arr[-1] < t1]  # streams with no token after a stall
+    lat = [d for tic, d in health if t0 <= tic <= t1]
+    return {
+        "prompt_tokens": response.json()["usage"]["prompt_tokens"],
+        "ttft_s": round(t1 - t0, 3),
+        "decode_gap_median_s": round(statistics.median(before), 4),
+        "longest_gap_s": round(max(during + starved), 4),
+        "gaps_during_prefill": len(during),
+        "health_max_s": round(max(lat), 4) if lat else None,
+        "health_median_s": round(statistics.median(lat), 4) if lat else None,
+        "health_polls": len(lat),
+    }
+
+
+def plugin_prefill_stats(url: str) -> dict | None:
+    return httpx.get(f"{url}/v1/status", timeout=30).json()["plugins"]["mtp-routing"].get("prefill")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=REPO / "models" / "tiny-qwen35-trained")
+    ap.add_argument("--base", type=Path, help="baseline checkout (its plugin runs as 'before'); omitted: after only")
+    ap.add_argument("--prompt-tokens", type=int, default=16384)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--warm-tokens", type=int, default=8)
+    ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--flags", default="", help="extra serve flags for both servers")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--command", default="", help="replaces the vllm-mlx console script (e.g. a launcher)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    device = str(mx.default_device())
+    prompt = long_prompt(args.model, args.prompt_tokens)
+    flags = ["--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", str(args.streams + 2),
+             "--prefill-step-size", str(args.prefill_step_size), *args.flags.split()]
+    command = args.command.split() if args.command else None
+    variants = ([("before", {"PYTHONPATH": os.pathsep.join(filter(None, [str(args.base), os.environ.get("PYTHONPATH", "")]))})]
+                if args.base else []) + [("after", {})]
+    results: dict = {"device": device, "host": platform.node(), "model": str(args.model), "flags": flags,
+                     "streams": args.streams, "commit": os.environ.get("BENCH_COMMIT", "")}
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "prefill_stall_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name, env in variants:
+        with serve(args.model, *flags, log_dir=log_dir, env=env, command=command, startup_timeout=args.timeout) as server:
+            httpx.post(f"{server.url}/v1/chat/completions", timeout=args.timeout, json={
+                "model": server.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
+            r = asyncio.run(measure(server.url, server.model, prompt, args.streams, args.warm_tokens, args.timeout))
+            r["prefill"] = plugin_prefill_stats(server.url)
+            budget = (r["prefill"] or {}).get("target_s") or 0.0
+            r["target_gap_s"] = round(3 * r["decode_gap_median_s"] + budget, 4) if r["prefill"] else None
+            r["gap_over_decode"] = round(r["longest_gap_s"] / r["decode_gap_median_s"], 1)
+            results[name] = r
+            print(name, json.dumps(r), flush=True)
+    kind = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    out = args.out or REPO / "benchmarks" / "results" / f"prefill_stall-{kind}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Reliability through the real server: hang-ups, hostile parameters, cancel by id, over-context prompts.
+
+Each test ends with the server's counters back at 0: no request may leak a slot or a text-engine row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from vllm_mlx_mtp_routing.testing.server import Server, serve
+
+pytestmark = pytest.mark.server
+
+LONG = 400  # tokens a stream would run for if nobody stopped it
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "64")
+    with serve(tiny_vlm_bf16, *flags, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+def plugin_status(server: Server) -> dict:
+    return httpx.get(f"{server.url}/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
+
+
+def counters(server: Server) -> tuple[int, ...]:
+    s = plugin_status(server)
+    a, t = s["admission"], s["text_engine"]
+    return a["running"], a["queued"], a["reserved_bytes"], t["running"], t["prefilling"], t["waiting"]
+
+
+def wait_idle(server: Server, within: float) -> float:
+    """Seconds until every counter is 0; fails after ``within``."""
+    t0 = time.monotonic()
+    while True:
+        c = counters(server)
+        if c == (0,) * 6:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < within, f"counters not back to 0 after {within}s: {c}"
+        time.sleep(0.05)
+
+
+def body(server: Server, content: str, **kw: object) -> dict:
+    return {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
+
+
+async def stream_then_hang_up(client: httpx.AsyncClient, payload: dict, chunks: int) -> int:
+    got = 0
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got >= chunks:
+                    break  # leaving the block closes the connection mid-stream
+    return got
+
+
+def test_hang_ups_release_slots_and_rows(server: Server) -> None:
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            payload = body(server, "def handler(event):", max_tokens=LONG, stream=True)
+            return await asyncio.gather(*(stream_then_hang_up(client, payload, 2) for _ in range(8)))
+
+    assert asyncio.run(run()) == [2] * 8
+    assert wait_idle(server, within=2.0) <= 2.0
+    t0 = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body(server, "x = 1", max_tokens=4), timeout=30)
+    assert r.status_code == 200 and time.monotonic() - t0 < 10
+    assert plugin_status(server)["admission"]["completed"] >= 9
+
+
+def test_bad_seed_beside_running_streams_is_400_and_they_complete(server: Server) -> None:
+    async def run() -> tuple[list[str], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            async def full(i: int) -> str:
+                payload = body(server, f"class Item{i}:", max_tokens=48, stream=True, seed=i, temperature=0.8)
+                async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+                    return "".join([line async for line in response.aiter_lines()])
+
+            streams = [asyncio.create_task(full(i)) for i in range(3)]
+            await asyncio.sleep(0.5)
+            bad = [await client.post("/v1/chat/completions", json=body(server, "y", max_tokens=8, seed=s, temperature=0.8))
+                   for s in (-1, 2**64, 2**70)]
+            return list(await asyncio.gather(*streams)), bad
+
+    texts, bad = asyncio.run(run())
+    for r in bad:
+        assert r.status_code == 400, r.text
+        assert "seed" in r.json()["error"]["message"]
+    for text in texts:
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+        assert '"finish_reason":"length"' in text.replace(" ", "")
+    wait_idle(server, within=2.0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5), ("min_p", -0.1),
+    ("frequency_penalty", 3.0), ("presence_penalty", -2.5), ("repetition_penalty", 0.0), ("seed", 2**64),
+    ("stop", [1, 2]), ("stop", ["x"] * 17), ("max_tokens", 0),
+])
+def test_out_of_range_parameter_is_400_naming_it(server: Server, field: str, value: object) -> None:
+    for stream in (False, True):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body(server, "hello", **{"max_tokens": 4, "stream": stream, field: value}), timeout=30)
+        assert r.status_code in (400, 422), (field, value, r.status_code, r.text)  # 422: the host's own schema check
+        assert field in r.text
+
+
+def test_over_context_prompt_is_400_before_any_prefill(server: Server) -> None:
+    before = plugin_status(server)["text_engine"]["prompt_tokens_processed"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # within the host's own cap, over the context
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi " * 20}], max_tokens=32768)
+    long_prompt = "alpha beta gamma delta " * 12000  # well over the tiny model's 32768-token context
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=4, stream=True)
+    assert plugin_status(server)["text_engine"]["prompt_tokens_processed"] == before
+    wait_idle(server, within=2.0)
+
+
+def test_cancel_by_response_id_stops_a_text_stream_and_counts_show(server: Server) -> None:
+    async def run() -> tuple[str, dict, dict, float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            payload = body(server, "def main():", max_tokens=LONG, stream=True)
+            lines: list[str] = []
+            async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+                it = response.aiter_lines()
+                while not any(line.startswith("data: {") and '"content"' in line for line in lines):
+                    lines.append(await it.__anext__())
+                response_id = json.loads(lines[0][len("data: "):])["id"]
+                status = (await client.get("/v1/status")).json()
+                health = (await client.get("/health")).json()
+                t0 = time.monotonic()
+                cancel = await client.post(f"/v1/requests/{response_id}/cancel")
+                assert cancel.status_code == 200, cancel.text
+                lines += [line async for line in it]
+                return "\n".join(lines), status, health, time.monotonic() - t0
+
+    text, status, health, took = asyncio.run(run())
+    assert status["num_running"] >= 1
+    assert took < 5
+    assert text.count('"content"') < LONG // 2
+    assert text.rstrip().endswith("data: [DONE]")
+    wait_idle(server, within=2.0)
+    assert httpx.post(f"{server.url}/v1/requests/chatcmpl-nosuch/cancel", timeout=10).status_code == 404
+
+
+def test_clear_cache_route_serves_the_text_path(server: Server) -> None:
+    r = httpx.delete(f"{server.url}/v1/cache", timeout=30)
+    assert r.status_code == 200
+    assert "text_path" in json.dumps(r.json())
+
+
+def test_a_long_wait_gets_the_response_start_and_keep_alives_then_an_error_frame(tiny_vlm_bf16: Path, tmp_path: Path) -> None:
+    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "1",
+             "--scheduler-queue-timeout", "7")
+    with serve(tiny_vlm_bf16, *flags, log_dir=tmp_path) as s:
+        async def run() -> tuple[int, float, str]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+                async def blocker() -> None:  # holds the only slot longer than the queue timeout
+                    payload = body(s, "def loop():", max_tokens=6000, stream=True)
+                    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+                        async for _ in response.aiter_lines():
+                            if stop.is_set():
+                                return
+
+                stop = asyncio.Event()
+                task = asyncio.create_task(blocker())
+                await asyncio.sleep(1.0)
+                t0 = time.monotonic()
+                payload = body(s, "x", max_tokens=4, stream=True)
+                async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+                    started = time.monotonic() - t0
+                    text = "".join([line + "\n" async for line in response.aiter_lines()])
+                stop.set()
+                await task
+                return response.status_code, started, text
+
+        status, started, text = asyncio.run(run())
+        assert status == 200 and started < 7  # the response started while the request still waited
+        assert ": heartbeat" in text
+        assert '"error"' in text and "server busy" in text and text.rstrip().endswith("data: [DONE]")
+        wait_idle(s, within=2.0)

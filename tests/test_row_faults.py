@@ -1,0 +1,146 @@
+"""One request's fault stays its own: bad parameters are refused before admission, a fault inside a step
+fails its row alone and the batch carries on; the routing decorator's surface is deliberate."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from vllm_mlx_mtp_routing.errors import RequestRejected
+from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_parameters
+from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tiny_vlm_fp32):
+    from mlx_vlm import load
+    from vllm_mlx.text_model_from_vlm import build_text_model
+
+    vlm, processor = load(str(tiny_vlm_fp32))
+    return build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False), processor.tokenizer
+
+
+def _drain(sched: BatchScheduler) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while sched.has_work():
+        for o in sched.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_a_rows_sampling_fault_fails_that_row_alone(tiny_text) -> None:
+    model, tok = tiny_text
+    sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=16)
+    for i in range(3):
+        sched.add(TextRequest(f"ok{i}", tok.encode(f"def f{i}(x):"), SamplingOptions(max_tokens=12, temperature=0.7, seed=i)))
+    sched.add(TextRequest("bad", tok.encode("class A:"), SamplingOptions(max_tokens=12, temperature=0.7, seed=5)))
+    sched.step()  # all four prefilled and running
+    bad = next(s for s in sched.running if s.rid == "bad")
+
+    def broken(logits):
+        raise OverflowError("seed out of range for this row")
+
+    bad.sampler.sample = broken
+    outs = _drain(sched)
+    assert outs["bad"][-1].finish_reason == "error" and "OverflowError" in outs["bad"][-1].error
+    for i in range(3):
+        assert outs[f"ok{i}"][-1].finish_reason == "length" and outs[f"ok{i}"][-1].completion_tokens == 12
+
+
+def test_a_rows_stop_handling_fault_fails_that_row_alone(tiny_text) -> None:
+    model, tok = tiny_text
+    sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=16)
+    sched.add(TextRequest("ok", tok.encode("import os"), SamplingOptions(max_tokens=10)))
+    sched.add(TextRequest("bad", tok.encode("import sys"), SamplingOptions(max_tokens=10, stop=["zz"])))
+    sched.step()
+    bad = next(s for s in sched.running if s.rid == "bad")
+
+    def broken(token):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken detokenizer")
+
+    bad.text.add = broken
+    outs = _drain(sched)
+    assert outs["bad"][-1].finish_reason == "error"
+    assert outs["ok"][-1].finish_reason == "length" and outs["ok"][-1].completion_tokens == 10
+    assert not sched.running
+
+
+def test_preflight_refuses_unusable_options() -> None:
+    preflight(SamplingOptions(temperature=0.5, seed=2**64 - 1))
+    with pytest.raises(RowOptionsError):
+        preflight(SamplingOptions(temperature=0.5, seed=2**64))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", -1), ("seed", 2**64), ("seed", 1.5), ("seed", True), ("temperature", -1), ("temperature", float("nan")),
+    ("top_p", 0), ("top_p", 1.01), ("top_k", -1), ("min_p", 2), ("frequency_penalty", 2.5), ("presence_penalty", "x"),
+    ("repetition_penalty", -1), ("max_tokens", 0), ("stop", "ok" * 600), ("stop", [None]), ("stop_sequences", 5),
+])
+def test_validation_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(RequestRejected) as info:
+        validate_parameters({field: value})
+    assert info.value.status_code == 400 and info.value.message.startswith(field)
+
+
+def test_validation_accepts_edges() -> None:
+    validate_parameters({"seed": 0, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "frequency_penalty": -2,
+                         "presence_penalty": 2, "repetition_penalty": 1.1, "stop": "x", "stop_sequences": ["a", "b"]})
+    validate_parameters({"seed": 2**64 - 1, "max_tokens": None})
+
+
+def test_fit_to_context() -> None:
+    assert fit_to_context(10, 20, 100, explicit=True) == 20
+    assert fit_to_context(90, 256, 100, explicit=False) == 10  # a default is cut to what is left
+    with pytest.raises(RequestRejected, match="max_tokens may be at most 10"):
+        fit_to_context(90, 256, 100, explicit=True)
+    with pytest.raises(RequestRejected, match="context is 100"):
+        fit_to_context(100, 1, 100, explicit=False)
+    assert fit_to_context(10**6, 5, None, explicit=True) == 5
+
+
+def test_routing_engine_serves_or_forwards_every_public_host_method() -> None:
+    from vllm_mlx.engine.batched import BatchedEngine
+
+    from vllm_mlx_mtp_routing.routing import RoutingEngine
+
+    public = {n for n, _ in inspect.getmembers(BatchedEngine) if not n.startswith("_")}
+    served = {n for n in public if n in vars(RoutingEngine)}
+    assert public - served <= RoutingEngine.FORWARDED, sorted(public - served - RoutingEngine.FORWARDED)
+    assert {"abort_request", "get_stats", "clear_runtime_caches", "chat", "stream_chat", "stop"} <= served
+
+
+def test_decorator_writes_are_deliberate() -> None:
+    from vllm_mlx_mtp_routing.routing import RoutingEngine, RoutingSettings
+
+    class Host:
+        preserve_native_tool_format = False
+        scheduler = "host's"
+
+    host = Host()
+    router = RoutingEngine(host, RoutingSettings())
+    router.preserve_native_tool_format = True  # the host sets this on whatever engine it holds
+    assert host.preserve_native_tool_format is True
+    router.text_engine = "mine"
+    assert "text_engine" not in vars(host)
+    router.scheduler = "replaced"  # the host engine's own attribute: its owner gets the write
+    assert host.scheduler == "replaced"
+    with pytest.raises(AttributeError, match="text_engin"):
+        router.text_engin = "a typo"  # neither owns it: no new state on the host engine
+    assert not hasattr(host, "text_engin")
+
+
+def test_undecodable_inline_images_are_400() -> None:
+    from vllm_mlx_mtp_routing.request_validation import validate_inline_images
+    from vllm_mlx_mtp_routing.testing.server import png_data_url
+
+    good = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url((1, 2, 3))}}]}
+    validate_inline_images([good])
+    for url in ("data:image/png;base64,@@@notbase64", "data:image/png;base64," + "QUJD" * 10):
+        bad = {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]}
+        with pytest.raises(RequestRejected, match=r"messages\[0\]\.content\[1\]"):
+            validate_inline_images([bad])
+    block = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}}]}
+    with pytest.raises(RequestRejected):
+        validate_inline_images([block])
