@@ -1,0 +1,5 @@
+"""Prefix cache for the text path: a token-prefix tree of model-state snapshots (hybrid models)."""
+
+from .tree import KINDS, Entry, PrefixTree
+
+__all__ = ["KINDS", "Entry", "PrefixTree"]
