@@ -41,6 +41,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..prefix_cache.plan import SnapshotPlan
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
 from .detokenize import StopText, eos_ids_of
@@ -55,6 +56,9 @@ class TextRequest:
     request_id: str
     prompt_ids: list[int]
     options: SamplingOptions = field(default_factory=SamplingOptions)
+    # Prompt positions worth a prefix-cache snapshot, with their kind ("system", "message"); the
+    # end of the prompt is always one. Used only with a prefix cache.
+    snapshot_at: list[tuple[int, str]] = field(default_factory=list)
 
 
 class _Sequence:
@@ -70,6 +74,8 @@ class _Sequence:
         self.cache: list[Any] | None = None  # single-sequence cache while prefilling
         self.strategy_state: dict = {}  # the decode strategy's scratch space while prefilling
         self.prefilled = 0  # tokens of prompt[:-1] already in the cache
+        self.plan: SnapshotPlan | None = None  # prefix-cache lookup done and snapshot positions, once prefilling
+        self.cached_tokens = 0
         self.next_input = req.prompt_ids[-1]
         self.finish_reason: str | None = None
         self.emitted_text = ""
@@ -115,6 +121,7 @@ class _Sequence:
             finish_reason=reason,
             mtp_drafted=self.drafted,
             mtp_accepted=self.accepted,
+            cached_tokens=self.cached_tokens,
             error=error,
         )
 
@@ -131,7 +138,9 @@ class BatchScheduler:
         prefill_step_size: int = 2048,
         eos_token_ids: list[int] | set[int] | None = None,
         decode: DecodeStrategy | None = None,
+        prefix_cache: Any = None,
     ) -> None:
+        """``prefix_cache``: a ``prefix_cache.PrefixCache`` (None: every prompt is prefilled in full)."""
         if max_num_seqs < 1 or prefill_step_size < 1:
             raise ValueError("max_num_seqs and prefill_step_size must be >= 1")
         self.model = model
@@ -140,6 +149,7 @@ class BatchScheduler:
         self.prefill_step_size = prefill_step_size
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
+        self.prefix_cache = prefix_cache
         self.waiting: deque[_Sequence] = deque()
         self.prefilling: list[_Sequence] = []
         self.running: list[_Sequence] = []  # decode batch rows, in cache row order
@@ -201,8 +211,10 @@ class BatchScheduler:
         done = 0
         for seq in list(self.prefilling):
             try:
+                if seq.plan is None:
+                    seq.plan = SnapshotPlan.start(self.prefix_cache, seq.req.prompt_ids, seq.req.snapshot_at, seq)
                 while seq.prefilled < seq.to_prefill:
-                    n = min(self.prefill_step_size, seq.to_prefill - seq.prefilled)
+                    n = self._chunk_len(seq)
                     if done and done + n > budget:
                         break
                     done += self._prefill_chunk(seq)
@@ -217,15 +229,26 @@ class BatchScheduler:
             self._join(seq)
         return outputs
 
+    def _chunk_len(self, seq: _Sequence) -> int:
+        """Chunks end at multiples of prefill_step_size from the prompt's start (boundaries fixed
+        per prompt, whatever else runs) and at the request's snapshot positions."""
+        start = seq.prefilled
+        end = min((start // self.prefill_step_size + 1) * self.prefill_step_size, seq.to_prefill)
+        if seq.plan is not None:
+            end = seq.plan.cut(start, end)
+        return end - start
+
     def _prefill_chunk(self, seq: _Sequence) -> int:
         if seq.cache is None:
             seq.cache = self.model.make_cache()
         start = seq.prefilled
-        n = min(self.prefill_step_size, seq.to_prefill - start)  # boundaries fixed per prompt
+        n = self._chunk_len(seq)
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
         self.decode.prefill(self.model, chunk, seq.cache, seq.strategy_state)
         seq.prefilled += n
         self.prompt_tokens += n
+        if seq.plan is not None:
+            seq.plan.after_chunk(seq, n)
         return n
 
     def _join(self, seq: _Sequence) -> None:
@@ -262,6 +285,8 @@ class BatchScheduler:
             outputs.append(seq.output())
             if seq.finish_reason:
                 finished.append(seq)
+                if self.prefix_cache is not None:
+                    SnapshotPlan.after_generation(self.prefix_cache, seq, self.cache, i)
         if finished:
             self._drop_rows(finished)
         return outputs
@@ -293,5 +318,6 @@ class BatchScheduler:
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "cache_bytes": self.cache.nbytes,
+            "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
             **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
         }

@@ -283,6 +283,10 @@ class MTPDecode:
     to the same TextModel (``build_text_model`` does that).
     """
 
+    # What ``prefill`` keeps in a request's scratch dict: a prefix-cache snapshot carries both, so
+    # the head continues right after a hit.
+    row_state_keys = ("mtp_cache", "h_last")
+
     def __init__(
         self,
         head: MTPHead,

@@ -1,0 +1,130 @@
+"""The text path's prefix cache: lookups before prefill, snapshots at chosen positions.
+
+The scheduler calls three things (text_engine/batch.py):
+
+- ``lookup(prompt_ids, max_len)`` when a request starts its prefill: the longest cached prefix
+  restored into fresh single-sequence caches (copy-on-hit: the entry is never written), or None;
+- ``save(tokens, length, kind, cache, row)`` after a prefill chunk that ends at a snapshot position,
+  and at the end of a generation from the finished row of the decode batch;
+- ``stats()``.
+
+Gated-delta state cannot be cut back, so a hit resumes exactly where a snapshot was taken; the
+positions are chosen from the chat structure (``boundaries.py``) and the prefill's chunks are cut
+there, so snapshots cost no extra forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.nn as nn
+
+from . import snapshot
+from .tree import Entry, PrefixTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Hit:
+    length: int
+    cache: list[Any]
+    row: dict[str, Any]
+    kind: str
+
+
+class PrefixCache:
+    def __init__(self, model: nn.Module, budget_bytes: int, *, row_keys: Sequence[str] = ()) -> None:
+        """``row_keys``: the keys of the decode strategy's scratch dict a snapshot must carry
+        (MTP: the head's cache and last hidden state), so a hit continues that strategy too."""
+        self.model = model
+        self.tree = PrefixTree(budget_bytes)
+        self.row_keys = frozenset(row_keys)
+        self.lookups = 0
+        self.hits = 0
+        self.hit_tokens = 0
+        self.prefilled_tokens = 0
+        self.saved = 0
+        self.hits_by_kind: dict[str, int] = {}
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.tree.budget_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.tree.nbytes
+
+    def _usable(self, e: Entry) -> bool:
+        return e.payload.row_keys == self.row_keys
+
+    def lookup(self, tokens: Sequence[int], max_len: int) -> Hit | None:
+        self.lookups += 1
+        entry = self.tree.longest(tokens, max_len, accept=self._usable) if max_len > 0 else None
+        if entry is None:
+            return None
+        self.tree.pin(entry)  # in use while its arrays are read
+        try:
+            cache, row = snapshot.restore([e.payload for e in entry.chain()], self.model.make_cache())
+        finally:
+            self.tree.unpin(entry)
+        self.tree.touch(entry)
+        self.hits += 1
+        self.hit_tokens += entry.length
+        self.hits_by_kind[entry.kind] = self.hits_by_kind.get(entry.kind, 0) + 1
+        return Hit(entry.length, cache, row, entry.kind)
+
+    def count_prefilled(self, n: int) -> None:
+        self.prefilled_tokens += n
+
+    def has(self, tokens: Sequence[int], length: int) -> bool:
+        return self.tree.get(tokens, length) is not None
+
+    def save(self, tokens: Sequence[int], length: int, kind: str, cache: list[Any], row: dict[str, Any]) -> bool:
+        """Snapshot caches holding tokens[:length]; False when it is not kept (already there, no room)."""
+        if length <= 0 or self.tree.budget_bytes <= 0:
+            return False
+        existing = self.tree.get(tokens, length)
+        if existing is not None:
+            self.tree.insert(tokens, length, kind, existing.payload)  # refreshed, its class maybe raised
+            return False
+        base = self.tree.longest(tokens, length - 1, accept=self._usable)
+        if base is not None:
+            self.tree.pin(base)
+        try:
+            snap = snapshot.take(cache, row, length, base.payload if base is not None else None)
+            if set(snap.row) != set(self.row_keys):
+                return False  # this strategy's scratch is not what hits will need
+            entry = self.tree.insert(tokens, length, kind, snap, base=base)
+        finally:
+            if base is not None:
+                self.tree.unpin(base)
+        if entry is None:
+            logger.debug("prefix cache: a %d-token %s snapshot (%d bytes) does not fit", length, kind, snap.nbytes)
+            return False
+        self.saved += 1
+        return True
+
+    def clear(self) -> None:
+        self.tree.clear()
+
+    def stats(self) -> dict[str, Any]:
+        seen = self.hit_tokens + self.prefilled_tokens
+        return {
+            "enabled": True,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_tokens": self.hit_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "token_hit_rate": round(self.hit_tokens / seen, 4) if seen else 0.0,
+            "hits_by_kind": dict(sorted(self.hits_by_kind.items())),
+            "entries": len(self.tree),
+            "bytes": self.tree.nbytes,
+            "budget_bytes": self.tree.budget_bytes,
+            "snapshots_saved": self.saved,
+            "evictions": self.tree.stats.evictions,
+            "rejected": self.tree.stats.rejected,
+        }
