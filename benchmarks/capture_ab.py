@@ -42,7 +42,7 @@ def main() -> None:
         for rep in range(a.reps):
             for name in ("old", "new") if rep % 2 == 0 else ("new", "old"):
                 new._gated_delta_capture, mb.rollback_rows = variants[name]  # backbone_forward looks it up
-                costs = mb.step_costs(bundle, prompts, 1, a.iters)
+                costs = mb.step_costs(bundle, prompts, 1, a.iters, tok)
                 runs[name].append(costs["t2_ms"])
                 runs["t1"].append(costs["t1_ms"])
                 runs["nocap"].append(costs["t2_nocapture_ms"])

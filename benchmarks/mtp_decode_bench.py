@@ -60,7 +60,9 @@ from mlx_lm.models.base import create_attention_mask  # noqa: E402
 
 from vllm_mlx_mtp_routing.mtp import lm_head  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
-    BatchCache,
+    DecodeBatch,
+    PrefillState,
+    Row,
     BatchScheduler,
     RaggedKVCache,
     SamplingOptions,
@@ -149,14 +151,8 @@ class Timed:
     def __init__(self, inner):
         self.inner, self.seconds, self.tokens = inner, 0.0, 0
 
-    def prefill(self, *a):
-        return self.inner.prefill(*a)
-
-    def join(self, *a):
-        return self.inner.join(*a)
-
-    def leave(self, keep):
-        return self.inner.leave(keep)
+    def __getattr__(self, name):  # head_layers, bind, prefill, join, stats: the inner strategy's
+        return getattr(self.inner, name)
 
     def step(self, *a):
         t = time.perf_counter()
@@ -198,7 +194,7 @@ def _restore(layers, snap) -> None:
             c.cache = list(s)
 
 
-def step_costs(bundle, prompts, k: int, iters: int) -> dict:
+def step_costs(bundle, prompts, k: int, iters: int, tok=None) -> dict:
     """t1, t2 (three capture variants), tm at this batch size, over prefilled caches rewound
     after every timed step (the context length stays fixed)."""
     model, head = bundle.model, bundle.mtp
@@ -206,12 +202,16 @@ def step_costs(bundle, prompts, k: int, iters: int) -> dict:
     x = mx.array([p[-1] for p in prompts], dtype=mx.uint32)[:, None]
     feed = mx.concatenate([x, x], axis=1)
     mtp = MTPDecode(head, k=k, adaptive=False)
-    cache = BatchCache(model)
-    for p in prompts:
-        row, c = {}, model.make_cache()
-        mtp.prefill(model, mx.array([p[:-1]], dtype=mx.uint32), c, row)
-        mtp.join(c, p, row)
-        cache.add_row(c)
+    batch = DecodeBatch(model, head_layers=mtp.head_layers)
+    mtp.bind(batch)
+    for i, p in enumerate(prompts):
+        state = PrefillState(backbone=model.make_cache())
+        mtp.prefill(model, mx.array([p[:-1]], dtype=mx.uint32), state)
+        state.prefilled = len(p) - 1
+        row = Row(TextRequest(str(i), p), tok, set())
+        row.decode = mtp.join(state, p)
+        batch.insert(row, state)
+    cache = batch.backbone
     snap = _snapshot(cache.layers)
     keep = [1 + (i % 2) for i in range(B)]  # half the rows accept, half reject
 
@@ -400,7 +400,7 @@ def main() -> None:
                 "steps_without_mtp": s["steps_without_mtp"],
                 "exact": all(r[1] == ref for r in runs[name]),
             }
-        costs = step_costs(bundle, prompts, a.k, a.iters)
+        costs = step_costs(bundle, prompts, a.k, a.iters, tok)
         row.update({key: round(v, 3) for key, v in costs.items()})
         acc = row["mtp"]["acceptance"]
         ideal = (1 + acc) * costs["t1_ms"] / (costs["t2_ms"] + costs["tm_ms"])

@@ -55,7 +55,7 @@ def cold(bundle, tok, prompt, max_tokens=10, decode=None):
 
 
 def _cache(bundle, decode=None) -> PrefixCache:
-    return PrefixCache(bundle.model, 64 * MB, row_keys=getattr(decode, "row_state_keys", ()))
+    return PrefixCache(bundle.model, 64 * MB, with_head=bool(decode is not None and decode.head_layers))
 
 
 def test_hits_at_each_boundary_equal_cold_alone(tiny):
@@ -189,6 +189,20 @@ def test_mtp_continues_right_after_a_hit(tiny):
     assert {k: hot_oracle.proposals[k] for k in shared} == {k: cold_oracle.proposals[k] for k in shared}
 
 
+def test_mtp_after_a_hit_on_a_generation_snapshot(tiny):
+    """End-of-generation snapshots hold no head state: the head skips those positions; the output
+    is still the plain output."""
+    bundle, tok = tiny
+    decode = MTPDecode(bundle.mtp, k=2, adaptive=False)
+    cache = _cache(bundle, decode)
+    (a,), _ = run(bundle, tok, [(0, SYSTEM + U1, SamplingOptions(max_tokens=8))], cache=cache, decode=decode)
+    nxt = SYSTEM + U1 + a.token_ids + U2
+    (b,), _ = run(bundle, tok, [(0, nxt, SamplingOptions(max_tokens=10))], cache=cache, decode=decode)
+    assert b.cached_tokens == len(SYSTEM + U1) + len(a.token_ids) - 1
+    assert cache.stats()["hits_by_kind"] == {"generation": 1}
+    assert b.token_ids == cold(bundle, tok, nxt, 10)
+
+
 def test_snapshots_own_their_arrays(tiny):
     """A snapshot holds copies: freeing the request's caches frees their buffers."""
     bundle, tok = tiny
@@ -204,4 +218,5 @@ def test_snapshots_own_their_arrays(tiny):
             assert a.size * a.itemsize == a.nbytes
     for e in entries:
         kv = [p for p in e.payload.layers if not isinstance(p, list)]
+        assert len(kv) == sum(1 for p in e.payload.layers) - sum(1 for p in e.payload.layers if isinstance(p, list))
         assert all(p.end - p.start == (p.keys.shape[2] if p.keys is not None else 0) for p in kv)

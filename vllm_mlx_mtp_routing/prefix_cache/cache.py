@@ -3,9 +3,9 @@
 The scheduler calls three things (text_engine/batch.py):
 
 - ``lookup(prompt_ids, max_len)`` when a request starts its prefill: the longest cached prefix
-  restored into fresh single-sequence caches (copy-on-hit: the entry is never written), or None;
-- ``save(tokens, length, kind, cache, row)`` after a prefill chunk that ends at a snapshot position,
-  and at the end of a generation from the finished row of the decode batch;
+  restored into a fresh ``PrefillState`` (copy-on-hit: the entry is never written), or None;
+- ``save(tokens, kind, state)`` after a prefill chunk that ends at a snapshot position, and at the
+  end of a generation from the finished row of the decode batch;
 - ``stats()``.
 
 Gated-delta state cannot be cut back, so a hit resumes exactly where a snapshot was taken; the
@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from ..text_engine.rows import PrefillState
 from . import snapshot
 from .tree import Entry, PrefixTree
 
@@ -31,18 +32,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Hit:
     length: int
-    cache: list[Any]
-    row: dict[str, Any]
+    state: PrefillState
     kind: str
 
 
 class PrefixCache:
-    def __init__(self, model: nn.Module, budget_bytes: int, *, row_keys: Sequence[str] = ()) -> None:
-        """``row_keys``: the keys of the decode strategy's scratch dict a snapshot must carry
-        (MTP: the head's cache and last hidden state), so a hit continues that strategy too."""
+    def __init__(self, model: nn.Module, budget_bytes: int, *, with_head: bool = False) -> None:
+        """``with_head``: the decode strategy runs an MTP head, whose cache a hit restores too
+        (where the snapshot has it), so the head continues right after the hit."""
         self.model = model
         self.tree = PrefixTree(budget_bytes)
-        self.row_keys = frozenset(row_keys)
+        self.with_head = with_head
         self.lookups = 0
         self.hits = 0
         self.hit_tokens = 0
@@ -58,24 +58,21 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self.tree.nbytes
 
-    def _usable(self, e: Entry) -> bool:
-        return e.payload.row_keys == self.row_keys
-
     def lookup(self, tokens: Sequence[int], max_len: int) -> Hit | None:
         self.lookups += 1
-        entry = self.tree.longest(tokens, max_len, accept=self._usable) if max_len > 0 else None
+        entry = self.tree.longest(tokens, max_len) if max_len > 0 else None
         if entry is None:
             return None
         self.tree.pin(entry)  # in use while its arrays are read
         try:
-            cache, row = snapshot.restore([e.payload for e in entry.chain()], self.model.make_cache())
+            state = snapshot.restore([e.payload for e in entry.chain()], self.model.make_cache(), self.with_head)
         finally:
             self.tree.unpin(entry)
         self.tree.touch(entry)
         self.hits += 1
         self.hit_tokens += entry.length
         self.hits_by_kind[entry.kind] = self.hits_by_kind.get(entry.kind, 0) + 1
-        return Hit(entry.length, cache, row, entry.kind)
+        return Hit(entry.length, state, entry.kind)
 
     def count_prefilled(self, n: int) -> None:
         self.prefilled_tokens += n
@@ -83,21 +80,21 @@ class PrefixCache:
     def has(self, tokens: Sequence[int], length: int) -> bool:
         return self.tree.get(tokens, length) is not None
 
-    def save(self, tokens: Sequence[int], length: int, kind: str, cache: list[Any], row: dict[str, Any]) -> bool:
-        """Snapshot caches holding tokens[:length]; False when it is not kept (already there, no room)."""
+    def save(self, tokens: Sequence[int], kind: str, state: PrefillState) -> bool:
+        """Snapshot a state holding tokens[:state.prefilled]; False when it is not kept (already
+        there, no room)."""
+        length = state.prefilled
         if length <= 0 or self.tree.budget_bytes <= 0:
             return False
         existing = self.tree.get(tokens, length)
         if existing is not None:
             self.tree.insert(tokens, length, kind, existing.payload)  # refreshed, its class maybe raised
             return False
-        base = self.tree.longest(tokens, length - 1, accept=self._usable)
+        base = self.tree.longest(tokens, length - 1)
         if base is not None:
             self.tree.pin(base)
         try:
-            snap = snapshot.take(cache, row, length, base.payload if base is not None else None)
-            if set(snap.row) != set(self.row_keys):
-                return False  # this strategy's scratch is not what hits will need
+            snap = snapshot.take(state, base.payload if base is not None else None)
             entry = self.tree.insert(tokens, length, kind, snap, base=base)
         finally:
             if base is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..text_engine.rows import PrefillState
 from .cache import PrefixCache
 from .snapshot import from_batch_row
 
@@ -24,21 +25,23 @@ class SnapshotPlan:
         self._cuts = sorted(positions)
 
     @classmethod
-    def start(cls, cache: PrefixCache | None, prompt_ids: list[int], snapshot_at: list[tuple[int, str]], seq: Any) -> SnapshotPlan:
-        """Look the prompt up, restore a hit into ``seq`` (its cache, decode scratch, prefilled)."""
-        if cache is None:
-            return cls(None, {})
+    def start(cls, cache: PrefixCache | None, seq: Any) -> SnapshotPlan:
+        """Look the prompt up; a hit becomes the row's ``PrefillState`` (the text engine's insert
+        API, validated as ``BatchScheduler.add(restored=...)`` does)."""
+        prompt_ids = seq.req.prompt_ids
         to_prefill = len(prompt_ids) - 1
-        if to_prefill <= 0:
+        # A state restored by someone else (a sparse prefill) is left alone.
+        if cache is None or to_prefill <= 0 or seq.prefilled or (seq.prefill is not None and seq.prefill.position):
             return cls(None, {})
         hit = cache.lookup(prompt_ids, to_prefill)
         restored = 0
         if hit is not None:
-            seq.cache, seq.strategy_state = hit.cache, hit.row
-            seq.prefilled = seq.cached_tokens = restored = hit.length
+            hit.state.check(len(prompt_ids))
+            seq.prefill = hit.state
+            seq.cached_tokens = restored = hit.length
             logger.debug("prefix cache hit for %s: %d of %d prompt tokens (%s)", seq.rid, hit.length, len(prompt_ids), hit.kind)
         positions: dict[int, str] = {}
-        for pos, kind in snapshot_at:
+        for pos, kind in seq.req.snapshot_at:
             if restored < pos < to_prefill:
                 positions[pos] = kind
         if restored < to_prefill:
@@ -53,27 +56,25 @@ class SnapshotPlan:
                 return p
         return end
 
-    def after_chunk(self, seq: Any, n: int) -> None:
+    def after_chunk(self, seq: Any) -> None:
         kind = self.positions.get(seq.prefilled)
         if self.cache is None or kind is None:
             return
         try:
-            self.cache.save(seq.req.prompt_ids, seq.prefilled, kind, seq.cache, seq.strategy_state)
+            self.cache.save(seq.req.prompt_ids, kind, seq.prefill)
         except Exception:  # a snapshot is an optimisation: the request goes on without it
             logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
 
     @staticmethod
     def after_generation(cache: PrefixCache, seq: Any, batch: Any, i: int) -> None:
         """Keep a finished row's state (prompt + generated tokens but the last): the next turn of a
-        conversation renders this reply into its prompt. Not with a decode strategy that keeps
-        per-row scratch (MTP): its head state is not in single-sequence form inside the batch."""
-        if cache.row_keys:
-            return
+        conversation renders this reply into its prompt. Backbone only: with MTP, a hit on it
+        restores no head state and the head skips those positions (only acceptance can suffer)."""
         held = batch.lengths()[i]
         tokens = [*seq.req.prompt_ids, *seq.token_ids]
         if held != len(tokens) - 1 or held <= len(seq.req.prompt_ids) - 1:
             return
         try:
-            cache.save(tokens, held, "generation", from_batch_row(batch.layers, i), {})
+            cache.save(tokens, "generation", PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held))
         except Exception:
             logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)

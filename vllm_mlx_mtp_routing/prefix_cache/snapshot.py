@@ -1,13 +1,13 @@
 """Snapshots of a request's single-sequence caches, and their restore into fresh ones.
 
-A request's prefill state is ``model.make_cache()`` (mlx-lm ``KVCache`` for the full-attention
-layers, ``ArraysCache`` [conv, recurrent] for the gated-delta layers) plus the decode strategy's
-scratch dict (MTP: the head's ``KVCache`` list and the last hidden state). A snapshot at L keeps
+A request's prefill-stage state is the text engine's ``PrefillState``: ``model.make_cache()``
+(mlx-lm ``KVCache`` for the full-attention layers, ``ArraysCache`` [conv, recurrent] for the
+gated-delta layers) and, with MTP, the head's ``KVCache`` per layer (L - 1 pairs) and the hidden
+state at L - 1. A snapshot at L keeps
 
 - the attention KV of [start, L), where ``start`` is the length of the base snapshot it extends
-  (0: none), per attention layer and per KV list of the scratch dict (whose own offsets, e.g. the
-  MTP head's L - 1, are recorded per list);
-- the gated-delta conv and recurrent state at L, and every plain array of the scratch dict.
+  (0: none), per attention layer, and likewise the MTP head's KV;
+- the gated-delta conv and recurrent state at L and the head's last hidden state.
 
 Every array is a copy, evaluated at once: never a view into the request's buffers (a KV buffer is
 reserved in 256-token steps; the conv state is a slice of the chunk's projection), nor a lazy graph
@@ -23,6 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
+
+from ..text_engine.rows import PrefillState
 
 
 def _own(x: mx.array) -> mx.array:
@@ -54,40 +56,34 @@ def _kv_segment(c: KVCache, start: int) -> _KV:
 class Snapshot:
     length: int
     layers: list[_KV | list[mx.array]]  # per model layer: a KV segment or the gated-delta state
-    row: dict[str, list[_KV] | mx.array] = field(default_factory=dict)
+    head: list[_KV] | None = None  # the MTP head's KV segments (its caches hold length - 1 pairs)
+    head_hidden: mx.array | None = None  # [1, 1, H]: the hidden state at length - 1
 
     @property
     def nbytes(self) -> int:
-        n = 0
-        for part in [*self.layers, *self.row.values()]:
-            if isinstance(part, _KV):
-                n += part.nbytes
-            elif isinstance(part, list):
-                n += sum(p.nbytes for p in part)
-            else:
-                n += part.nbytes
-        return n
-
-    @property
-    def row_keys(self) -> frozenset[str]:
-        return frozenset(self.row)
+        return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []
-        for part in [*self.layers, *self.row.values()]:
-            for p in part if isinstance(part, list) else [part]:
-                if isinstance(p, _KV):
-                    out += [a for a in (p.keys, p.values) if a is not None]
-                else:
-                    out.append(p)
+        for part in [*self.layers, *(self.head or [])]:
+            if isinstance(part, _KV):
+                out += [a for a in (part.keys, part.values) if a is not None]
+            else:
+                out += part
+        if self.head_hidden is not None:
+            out.append(self.head_hidden)
         return out
 
 
-def take(cache: list[Any], row: dict[str, Any], length: int, base: Snapshot | None) -> Snapshot:
-    """Snapshot of a request's caches holding exactly ``length`` tokens, as a delta on ``base``."""
+def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
+    """Snapshot of a request's prefill-stage caches (exactly ``state.prefilled`` tokens), as a delta
+    on ``base`` (a snapshot of a prefix of the same tokens)."""
+    length = state.prefilled
+    if state.position is not None and state.position != length:
+        raise ValueError("a sparse prefill's state has no exact prefix snapshot")
     start = 0 if base is None else base.length
     layers: list[_KV | list[mx.array]] = []
-    for i, c in enumerate(cache):
+    for i, c in enumerate(state.backbone):
         if isinstance(c, KVCache):
             if c.offset != length:
                 raise ValueError(f"layer {i} holds {c.offset} tokens, not {length}")
@@ -98,17 +94,13 @@ def take(cache: list[Any], row: dict[str, Any], length: int, base: Snapshot | No
             layers.append([_own(a) for a in c.cache])
         else:
             raise TypeError(f"no snapshot for cache type {type(c).__name__}")
-    snap_row: dict[str, list[_KV] | mx.array] = {}
-    for key, value in row.items():
-        if isinstance(value, mx.array):
-            snap_row[key] = _own(value)
-        elif isinstance(value, list) and all(isinstance(c, KVCache) for c in value):
-            base_kv = base.row.get(key) if base is not None else None
-            starts = [kv.end for kv in base_kv] if isinstance(base_kv, list) else [0] * len(value)
-            snap_row[key] = [_kv_segment(c, s) for c, s in zip(value, starts)]
-        else:
-            raise TypeError(f"no snapshot for decode state {key!r} ({type(value).__name__})")
-    snap = Snapshot(length, layers, snap_row)
+    head = None
+    if state.head is not None and state.head_hidden is not None:
+        # The head's segments extend the base's only where the base has them; else from 0.
+        starts = [kv.end for kv in base.head] if base is not None and base.head is not None else [0] * len(state.head)
+        head = [_kv_segment(c, s) for c, s in zip(state.head, starts)]
+    hidden = _own(state.head_hidden) if head is not None else None
+    snap = Snapshot(length, layers, head, hidden)
     mx.eval(snap.arrays())
     return snap
 
@@ -132,9 +124,21 @@ def _join_kv(parts: list[_KV]) -> KVCache:
     return c
 
 
-def restore(chain: list[Snapshot], fresh: list[Any]) -> tuple[list[Any], dict[str, Any]]:
-    """Fill ``fresh`` (``model.make_cache()``) from a snapshot chain (base first); returns it and the
-    decode strategy's scratch dict."""
+def _head_parts(chain: list[Snapshot], j: int) -> list[_KV] | None:
+    """Head layer j's segments back to position 0 through the chain, or None where it breaks."""
+    parts = [chain[-1].head[j]]
+    for s in reversed(chain[:-1]):
+        if parts[0].start == 0:
+            break
+        if s.head is not None and s.head[j].end == parts[0].start:
+            parts.insert(0, s.head[j])
+    return parts if parts[0].start == 0 else None
+
+
+def restore(chain: list[Snapshot], fresh: list[Any], with_head: bool) -> PrefillState:
+    """A ``PrefillState`` (the text engine's insert API) from a snapshot chain (base first), its
+    backbone in ``fresh`` (``model.make_cache()``). Without the head's state (a snapshot taken
+    without MTP, or ``with_head`` False) the head skips those positions."""
     last = chain[-1]
     for i, c in enumerate(fresh):
         if isinstance(c, KVCache):
@@ -142,13 +146,13 @@ def restore(chain: list[Snapshot], fresh: list[Any]) -> tuple[list[Any], dict[st
             c.keys, c.values, c.offset = joined.keys, joined.values, joined.offset
         else:
             c.cache = [a[...] for a in last.layers[i]]
-    row: dict[str, Any] = {}
-    for key, value in last.row.items():
-        if isinstance(value, list):
-            row[key] = [_join_kv([s.row[key][j] for s in chain]) for j in range(len(value))]
-        else:
-            row[key] = value[...]
-    return fresh, row
+    state = PrefillState(backbone=fresh, prefilled=last.length)
+    if with_head and last.head is not None:
+        parts = [_head_parts(chain, j) for j in range(len(last.head))]
+        if all(p is not None for p in parts):
+            state.head = [_join_kv(p) for p in parts]
+            state.head_hidden = last.head_hidden[...]
+    return state
 
 
 def from_batch_row(layers: list[Any], i: int) -> list[Any]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -44,86 +43,13 @@ import mlx.nn as nn
 from ..prefix_cache.plan import SnapshotPlan
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
-from .detokenize import StopText, eos_ids_of
+from .detokenize import eos_ids_of
 from .outputs import TextOutput
-from .sampling import RowSampler, SamplingOptions
+from .rows import DecodeBatch, PrefillState, Row, TextRequest
+
+__all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TextRequest:
-    request_id: str
-    prompt_ids: list[int]
-    options: SamplingOptions = field(default_factory=SamplingOptions)
-    # Prompt positions worth a prefix-cache snapshot, with their kind ("system", "message"); the
-    # end of the prompt is always one. Used only with a prefix cache.
-    snapshot_at: list[tuple[int, str]] = field(default_factory=list)
-
-
-class _Sequence:
-    """A request's generation state while the scheduler holds it."""
-
-    def __init__(self, req: TextRequest, tokenizer: Any, eos_ids: set[int]) -> None:
-        self.req = req
-        self.rid = req.request_id
-        self.sampler = RowSampler(req.options)
-        self.stop_ids = eos_ids | set(req.options.stop_token_ids)
-        self.text = StopText(tokenizer, req.options.stop)
-        self.token_ids: list[int] = []
-        self.cache: list[Any] | None = None  # single-sequence cache while prefilling
-        self.strategy_state: dict = {}  # the decode strategy's scratch space while prefilling
-        self.prefilled = 0  # tokens of prompt[:-1] already in the cache
-        self.plan: SnapshotPlan | None = None  # prefix-cache lookup done and snapshot positions, once prefilling
-        self.cached_tokens = 0
-        self.next_input = req.prompt_ids[-1]
-        self.finish_reason: str | None = None
-        self.emitted_text = ""
-        self.emitted_tokens = 0
-        self.drafted = 0
-        self.accepted = 0
-
-    @property
-    def to_prefill(self) -> int:
-        return len(self.req.prompt_ids) - 1
-
-    def add_tokens(self, tokens: list[int]) -> None:
-        """Append generated tokens, stopping at the first stop token/string or at max_tokens."""
-        for t in tokens:
-            self.token_ids.append(t)
-            if t in self.stop_ids:
-                self.finish_reason = "stop"
-            elif self.text.add(t):
-                self.finish_reason = "stop"
-            elif len(self.token_ids) >= self.req.options.max_tokens:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                return
-        self.next_input = tokens[-1]
-
-    def output(self, finish_reason: str | None = None, error: str | None = None) -> TextOutput:
-        reason = finish_reason or self.finish_reason
-        if reason in ("stop", "length"):
-            self.text.finish()
-        new_text = self.text.take_new(final=reason is not None)
-        self.emitted_text += new_text
-        new_ids = self.token_ids[self.emitted_tokens :]
-        self.emitted_tokens = len(self.token_ids)
-        return TextOutput(
-            request_id=self.rid,
-            new_text=new_text,
-            text=self.emitted_text,
-            new_token_ids=new_ids,
-            token_ids=list(self.token_ids),
-            prompt_tokens=len(self.req.prompt_ids),
-            completion_tokens=len(self.token_ids),
-            finished=reason is not None,
-            finish_reason=reason,
-            mtp_drafted=self.drafted,
-            mtp_accepted=self.accepted,
-            cached_tokens=self.cached_tokens,
-            error=error,
-        )
 
 
 class BatchScheduler:
@@ -150,23 +76,40 @@ class BatchScheduler:
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
         self.prefix_cache = prefix_cache
-        self.waiting: deque[_Sequence] = deque()
-        self.prefilling: list[_Sequence] = []
-        self.running: list[_Sequence] = []  # decode batch rows, in cache row order
-        self.cache = BatchCache(model)
+        self.waiting: deque[Row] = deque()
+        self.prefilling: list[Row] = []
+        # The decode batch owns the running rows and every batch cache (backbone and MTP head).
+        self.batch = DecodeBatch(model, head_layers=self.decode.head_layers)
+        self.decode.bind(self.batch)
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.batch_size_histogram: dict[int, int] = {}
 
+    @property
+    def running(self) -> list[Row]:
+        """The decode batch's rows, in cache row order."""
+        return self.batch.rows
+
+    @property
+    def cache(self) -> BatchCache:
+        """The backbone's batch caches."""
+        return self.batch.backbone
+
     # -- requests ---------------------------------------------------------------------------
 
-    def add(self, request: TextRequest) -> None:
+    def add(self, request: TextRequest, restored: PrefillState | None = None) -> None:
+        """Queue a request. ``restored``: caches that already hold ``prompt[:restored.prefilled]``
+        (a prefix-cache snapshot, a sparse prefill; see ``PrefillState``): the rest of the prompt
+        is prefilled on them in the usual chunks and the row joins the batch as any other. The
+        state becomes the row's own (it is mutated in place by the remaining prefill)."""
         if not request.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if self._find(request.request_id) is not None:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.waiting.append(_Sequence(request, self.tokenizer, self.eos_ids))
+        if restored is not None:
+            restored.check(len(request.prompt_ids))
+        self.waiting.append(Row(request, self.tokenizer, self.eos_ids, restored))
 
     def abort(self, request_id: str) -> TextOutput | None:
         """Remove a request now (call between steps); its final output, or None if unknown."""
@@ -179,13 +122,13 @@ class BatchScheduler:
             self.prefilling.remove(seq)
         else:
             self.waiting.remove(seq)
-        seq.cache = None
+        seq.prefill = None
         return seq.output("abort")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def _find(self, request_id: str) -> _Sequence | None:
+    def _find(self, request_id: str) -> Row | None:
         for group in (self.running, self.prefilling, self.waiting):
             for s in group:
                 if s.rid == request_id:
@@ -211,8 +154,8 @@ class BatchScheduler:
         done = 0
         for seq in list(self.prefilling):
             try:
-                if seq.plan is None:
-                    seq.plan = SnapshotPlan.start(self.prefix_cache, seq.req.prompt_ids, seq.req.snapshot_at, seq)
+                if seq.plan is None:  # looked up now, not at add: a prefix the request before it just prefilled counts
+                    seq.plan = SnapshotPlan.start(self.prefix_cache, seq)
                 while seq.prefilled < seq.to_prefill:
                     n = self._chunk_len(seq)
                     if done and done + n > budget:
@@ -221,7 +164,7 @@ class BatchScheduler:
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
-                seq.cache = None
+                seq.prefill = None
                 outputs.append(seq.output("error", error=f"{type(e).__name__}: {e}"))
                 continue
             if seq.prefilled < seq.to_prefill:
@@ -229,37 +172,40 @@ class BatchScheduler:
             self._join(seq)
         return outputs
 
-    def _chunk_len(self, seq: _Sequence) -> int:
-        """Chunks end at multiples of prefill_step_size from the prompt's start (boundaries fixed
-        per prompt, whatever else runs) and at the request's snapshot positions."""
+    def _chunk_len(self, seq: Row) -> int:
+        """Chunks end at multiples of the step from the prompt's start (never depending on the
+        other requests) and at the request's prefix-cache snapshot positions."""
         start = seq.prefilled
         end = min((start // self.prefill_step_size + 1) * self.prefill_step_size, seq.to_prefill)
-        if seq.plan is not None:
-            end = seq.plan.cut(start, end)
-        return end - start
+        return (seq.plan.cut(start, end) if seq.plan is not None else end) - start
 
-    def _prefill_chunk(self, seq: _Sequence) -> int:
-        if seq.cache is None:
-            seq.cache = self.model.make_cache()
-        start = seq.prefilled
+    def _prefill_chunk(self, seq: Row) -> int:
+        state = self._prefill_state(seq)
+        start = state.prefilled
         n = self._chunk_len(seq)
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
-        self.decode.prefill(self.model, chunk, seq.cache, seq.strategy_state)
-        seq.prefilled += n
+        self.decode.prefill(self.model, chunk, state)
+        state.prefilled += n
+        if state.position is not None:
+            state.position += n
         self.prompt_tokens += n
         if seq.plan is not None:
-            seq.plan.after_chunk(seq, n)
+            seq.plan.after_chunk(seq)
         return n
 
-    def _join(self, seq: _Sequence) -> None:
-        if seq.cache is None:
-            seq.cache = self.model.make_cache()
+    def _prefill_state(self, seq: Row) -> PrefillState:
+        if seq.prefill is None:
+            seq.prefill = PrefillState()
+        if seq.prefill.backbone is None:
+            seq.prefill.backbone = self.model.make_cache()
+        return seq.prefill
+
+    def _join(self, seq: Row) -> None:
+        state = self._prefill_state(seq)
         self.prefilling.remove(seq)
-        self.decode.join(seq.cache, seq.req.prompt_ids, seq.strategy_state)
-        self.cache.add_row(seq.cache)
-        seq.cache = None
-        seq.strategy_state = {}
-        self.running.append(seq)
+        seq.decode = self.decode.join(state, seq.req.prompt_ids)
+        self.batch.insert(seq, state)
+        seq.prefill = None
 
     def _decode(self) -> list[TextOutput]:
         rows = self.running
@@ -270,9 +216,7 @@ class BatchScheduler:
             )
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
             logger.exception("decode step failed; failing %d running requests", len(rows))
-            self.running = []
-            self.cache = BatchCache(self.model)
-            self.decode.leave([])
+            self.batch.clear()
             return [s.output("error", error=f"{type(e).__name__}: {e}") for s in rows]
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
@@ -291,21 +235,17 @@ class BatchScheduler:
             self._drop_rows(finished)
         return outputs
 
-    def _drop_rows(self, gone: list[_Sequence]) -> None:
-        keep = [i for i, s in enumerate(self.running) if s not in gone]
-        self.running = [self.running[i] for i in keep]
-        self.cache.filter(keep)
-        self.decode.leave(keep)
+    def _drop_rows(self, gone: list[Row]) -> None:
+        self.batch.filter([s for s in self.running if s not in gone])
         if not self.running:
             mx.clear_cache()
 
     def fail_all(self, error: BaseException) -> list[TextOutput]:
         """Finish every request with an error (last resort after an unexpected fault)."""
         seqs = [*self.running, *self.prefilling, *self.waiting]
-        self.running, self.prefilling = [], []
+        self.prefilling = []
         self.waiting.clear()
-        self.cache = BatchCache(self.model)
-        self.decode.leave([])
+        self.batch.clear()
         return [s.output("error", error=f"{type(error).__name__}: {error}") for s in seqs]
 
     def stats(self) -> dict[str, Any]:
@@ -317,7 +257,7 @@ class BatchScheduler:
             "prompt_tokens_processed": self.prompt_tokens,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
-            "cache_bytes": self.cache.nbytes,
+            "cache_bytes": self.batch.nbytes,
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
             **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
         }

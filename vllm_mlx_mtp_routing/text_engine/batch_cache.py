@@ -152,8 +152,14 @@ class RaggedKVCache(_BaseCache):
         self.keys = self.keys[idx, :, :cap]
         self.values = self.values[idx, :, :cap]
 
-    def add_row(self, cache: KVCache) -> None:
-        """Append a batch-1 single-sequence cache as a new row."""
+    def add_row(self, cache: KVCache, shift: int = 0) -> None:
+        """Append a batch-1 single-sequence cache as a new row; ``shift``: positions the row's next
+        token sits past its keys (a sparse prefill)."""
+        self._add_row(cache)
+        if shift:
+            self.skip_rows([0] * (self.batch_size - 1) + [shift])
+
+    def _add_row(self, cache: KVCache) -> None:
         n = cache.offset
         if cache.keys is None or n == 0:
             if self.keys is not None:
@@ -235,11 +241,11 @@ class BatchCache:
             self._act_dtype = self._model.model.embed_tokens(mx.array([[0]])).dtype
         return self._act_dtype
 
-    def add_row(self, row_cache: list[Any]) -> None:
+    def add_row(self, row_cache: list[Any], shift: int = 0) -> None:
         """Append a batch-1 prefilled cache (from ``model.make_cache()``) as the last row."""
         for layer, c, rc in zip(self._model.layers, self.layers, row_cache):
             if isinstance(c, RaggedKVCache):
-                c.add_row(rc)
+                c.add_row(rc, shift)
                 continue
             row = rc.cache if rc.cache[0] is not None else _gated_delta_zero_state(
                 layer, self._activation_dtype()

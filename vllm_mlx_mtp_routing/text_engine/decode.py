@@ -15,11 +15,13 @@ sampling and any per-row cache rollback. The contract of ``step``:
   batch on axis 0) restored from per-position states it captured.
 
 The scheduler may drop tokens after a stop inside the returned run; such a row leaves the batch.
-``prefill`` runs each prefill chunk (an MTP strategy can ask the model for hidden states there and
-fill the MTP head's cache for the row); ``join``/``leave`` keep any per-row state it owns (MTP
-caches, last hidden states) aligned with the batch rows. An MTP head's own attention cache can be a
-``RaggedKVCache`` too. A row that has no drafts yet (its first decode step) can be padded with dummy
-drafts and rolled back, since a forward feeds the same number of tokens to every row.
+``prefill`` runs each prefill chunk on the request's ``PrefillState`` (an MTP strategy asks the
+model for hidden states there and fills the head's cache for the row); ``join`` returns the
+strategy's per-row state, which the row (``Row.decode``) owns from then on. The strategy keeps no
+per-row list of its own: ``bind`` hands it the ``DecodeBatch``, whose rows and caches (backbone
+and, with ``head_layers`` > 0, the head's ``RaggedKVCache`` per layer) join and leave together. A
+row that has no drafts yet (its first decode step) can be padded with dummy drafts and rolled back,
+since a forward feeds the same number of tokens to every row.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_cache import BatchCache
+from .rows import DecodeBatch, PrefillState
 from .sampling import RowSampler, sample_rows
 
 
@@ -42,18 +45,18 @@ class DecodeResult:
 
 
 class DecodeStrategy(Protocol):
-    def prefill(self, model: nn.Module, tokens: mx.array, cache: list[Any], row: dict) -> None:
-        """Run one prefill chunk ([1, n]) of a request on its own single-sequence cache.
+    head_layers: int  # attention caches per row beside the backbone's (an MTP head's layers)
 
-        ``row`` is the request's scratch space, handed back to ``join`` (e.g. to build an MTP
-        head's cache from the chunk's hidden states).
-        """
+    def bind(self, batch: DecodeBatch) -> None:
+        """The batch whose rows this strategy steps (called once by the scheduler)."""
 
-    def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
-        """A prefilled request is about to become the last row of the batch."""
+    def prefill(self, model: nn.Module, tokens: mx.array, state: PrefillState) -> None:
+        """Run one prefill chunk ([1, n]) of a request on its own single-sequence caches
+        (``state.backbone``; an MTP strategy also fills ``state.head`` and ``state.head_hidden``).
+        The scheduler advances ``state.prefilled``."""
 
-    def leave(self, keep: list[int]) -> None:
-        """The batch now holds only rows ``keep`` (old indices, in new order)."""
+    def join(self, state: PrefillState, prompt_ids: list[int]) -> Any:
+        """A prefilled request is about to become the last row of the batch: its per-row state."""
 
     def step(
         self, model: nn.Module, cache: BatchCache, inputs: list[int], samplers: list[RowSampler]
@@ -63,15 +66,17 @@ class DecodeStrategy(Protocol):
 class SingleTokenDecode:
     """One forward of [B, 1] and one sampled token per row."""
 
-    def prefill(self, model: nn.Module, tokens: mx.array, cache: list[Any], row: dict) -> None:
-        model(tokens, cache=cache)
-        mx.eval([c.state for c in cache])
+    head_layers = 0
 
-    def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
+    def bind(self, batch: DecodeBatch) -> None:
         pass
 
-    def leave(self, keep: list[int]) -> None:
-        pass
+    def prefill(self, model: nn.Module, tokens: mx.array, state: PrefillState) -> None:
+        model(tokens, cache=state.backbone)
+        mx.eval([c.state for c in state.backbone])
+
+    def join(self, state: PrefillState, prompt_ids: list[int]) -> None:
+        return None
 
     def step(
         self, model: nn.Module, cache: BatchCache, inputs: list[int], samplers: list[RowSampler]

@@ -61,6 +61,7 @@ from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_de
 from ..mtp import MTPHead, lm_head
 from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult
+from .rows import DecodeBatch, PrefillState
 from .draft_schedule import DraftSchedule
 from .sampling import RowSampler
 
@@ -283,10 +284,6 @@ class MTPDecode:
     to the same TextModel (``build_text_model`` does that).
     """
 
-    # What ``prefill`` keeps in a request's scratch dict: a prefix-cache snapshot carries both, so
-    # the head continues right after a hit.
-    row_state_keys = ("mtp_cache", "h_last")
-
     def __init__(
         self,
         head: MTPHead,
@@ -325,8 +322,8 @@ class MTPDecode:
         # window / (k + 1) head forwards.
         self.window = max(resume_window, k + 1)
         self.draft_hook = draft_hook
-        self._cache: list[RaggedKVCache] = [RaggedKVCache() for _ in head.layers]
-        self._rows: list[_Row] = []
+        self._batch: DecodeBatch | None = None
+        self._version = -1
         self._last_shape: tuple[int, ...] = ()
         # End of the last step, None after a join or leave. A step is timed from there (when the
         # batch did not change in between): the whole cycle, with the scheduler's and the
@@ -340,14 +337,40 @@ class MTPDecode:
         self.steps_without_mtp = 0
         self.accepted_histogram = [0] * (k + 1)  # per drafting row-step: how many drafts it kept
 
-    # -- DecodeStrategy: prefill / join / leave -----------------------------------------------
+    # -- DecodeStrategy: bind / prefill / join -------------------------------------------------
 
-    def prefill(self, model: nn.Module, tokens: mx.array, cache: list[Any], row: dict) -> None:
+    @property
+    def head_layers(self) -> int:
+        return len(self.head.layers)
+
+    def bind(self, batch: DecodeBatch) -> None:
+        self._batch = batch
+
+    @property
+    def _rows(self) -> list[_Row]:
+        """The rows' MTP state, in batch row order (each owned by its ``Row``)."""
+        return [r.decode for r in self._batch.rows]
+
+    @property
+    def _cache(self) -> list[RaggedKVCache]:
+        """The head's batch caches (owned by the ``DecodeBatch``, rows joining and leaving with
+        the backbone's)."""
+        return self._batch.head
+
+    def prefill(self, model: nn.Module, tokens: mx.array, state: PrefillState) -> None:
         _, hidden, _ = backbone_forward(
-            model, tokens, cache, hidden_state_mode=self.hidden_state_mode, logits=False
+            model, tokens, state.backbone, hidden_state_mode=self.hidden_state_mode, logits=False
         )
-        mcache = row.setdefault("mtp_cache", self.head.make_cache())
-        prev = row.get("h_last")
+        if state.head is None and state.prefilled:
+            # Restored without the head's pairs: the head starts at the row's join, skipping the
+            # positions before its last pair (drafts are verified, so only acceptance suffers).
+            state.head_hidden = hidden[:, -1:]
+            mx.eval([c.state for c in state.backbone], state.head_hidden)
+            return
+        if state.head is None:
+            state.head = self.head.make_cache()
+        mcache = state.head
+        prev = state.head_hidden
         # The head's pair at position t is (hidden_t, token_{t+1}): a chunk's last hidden state
         # waits for the next chunk's first token (or, at join, the prompt's last token).
         if prev is None:
@@ -361,23 +384,18 @@ class MTPDecode:
                 c.trim(1)
         else:
             self.head.forward(mx.concatenate([prev, hidden[:, :-1]], axis=1), tokens, mcache)
-        row["h_last"] = hidden[:, -1:]
-        mx.eval([c.state for c in cache], [c.state for c in mcache], row["h_last"])
+        state.head_hidden = hidden[:, -1:]
+        mx.eval([c.state for c in state.backbone], [c.state for c in mcache], state.head_hidden)
 
-    def join(self, row_cache: list[Any], prompt_ids: list[int], row: dict) -> None:
-        for rc, c in zip(self._cache, row.get("mtp_cache") or self.head.make_cache()):
-            rc.add_row(c)
-        self._last_end = None
+    def join(self, state: PrefillState, prompt_ids: list[int]) -> _Row:
         r = _Row(history=list(prompt_ids), prompt_len=len(prompt_ids))
-        if "h_last" in row:
-            r.add_pending(row["h_last"], 0, prompt_ids[-1:])
-        self._rows.append(r)
-
-    def leave(self, keep: list[int]) -> None:
-        for c in self._cache:
-            c.filter(keep)
-        self._rows = [self._rows[i] for i in keep]
-        self._last_end = None
+        if state.head_hidden is not None:
+            r.add_pending(state.head_hidden, 0, prompt_ids[-1:])
+        # Head positions the restored state did not cover (no head cache, no pending pair) are
+        # skipped, so every later pair still sits at its own position.
+        held = 0 if not state.head or state.head[0].keys is None else state.head[0].offset
+        r.skipped = max(0, state.next_position - held - len(r.pending_t))
+        return r
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -387,6 +405,8 @@ class MTPDecode:
         rows, B = self._rows, len(inputs)
         if len(rows) != B:
             raise RuntimeError(f"MTPDecode holds {len(rows)} rows, the batch has {B}")
+        if self._batch.version != self._version:  # rows joined or left: the cycle is not timed
+            self._version, self._last_end = self._batch.version, None
         k = self._plan_k(B)
         drafting = [k > 0 and self._can_draft(r, s) for r, s in zip(rows, samplers)]
         if not any(d and self._worth_drafting(r) for d, r in zip(drafting, rows)):
