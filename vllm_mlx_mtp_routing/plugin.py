@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, admission
+from .prefix_cache import settings as prefix_settings
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
@@ -29,6 +30,8 @@ class _State:
     routing_active: bool = False
     mtp_schedule: str = "adaptive"
     mtp_max_batch_size: int | None = None
+    prefix_cache: prefix_settings.PrefixCacheSettings | None = None
+    warm_prompts: str | None = None
 
 
 STATE = _State()
@@ -70,6 +73,8 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.admission = admission.validate(args)
     STATE.mtp_schedule = args.mtp_schedule
     STATE.mtp_max_batch_size = args.mtp_max_batch_size
+    STATE.prefix_cache = prefix_settings.from_args(args)
+    STATE.warm_prompts = getattr(args, "warm_prompts", None)
 
 
 @hookimpl
@@ -163,6 +168,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         )
     elif router.settings.enable_mtp:
         logger.info("mtp-routing: --enable-mtp, but the text path runs without MTP: %s", bundle.mtp_unavailable_reason)
+    prefix_cache = _prefix_cache(bundle.model, router)
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
@@ -170,8 +176,31 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         prefill_step_size=router.settings.prefill_step_size,
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
         decode=router.mtp_decode,
+        prefix_cache=prefix_cache,
     )
     return router.start_text_path(text_engine)
+
+
+def _prefix_cache(model: Any, router: RoutingEngine) -> Any:
+    settings = STATE.prefix_cache or prefix_settings.from_args(None)
+    if not settings.enabled or settings.budget_bytes <= 0:
+        logger.info("mtp-routing: text-path prefix cache off (%s)", "--disable-prefix-cache" if not settings.enabled else "budget 0")
+        return None
+    from .prefix_cache.cache import PrefixCache
+
+    cache = PrefixCache(model, settings.budget_bytes, with_head=router.mtp_decode is not None)
+    from .host import usage
+
+    usage.install()
+    if router.admission is not None:
+        router.admission.cache_bytes = lambda: cache.nbytes
+    if STATE.warm_prompts:
+        router.warm_prefixes = engine_access.warm_prompt_prefixes(STATE.warm_prompts, router.tokenizer_for_text)
+    logger.info(
+        "mtp-routing: text-path prefix cache on, budget %.0f MiB (system prompts, conversations, tool turns; snapshots of "
+        "attention KV, gated-delta state%s)", settings.budget_bytes / 2**20, " and the MTP head" if cache.with_head else "",
+    )
+    return cache
 
 
 @hookimpl

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
 from .host import engine_access as host
+from .host import usage as host_usage
 from .normalize import normalize_messages
 from .text_engine.outputs import TextOutput
 from .text_engine.sampling import SamplingOptions
@@ -102,7 +103,7 @@ class RoutingEngine(EngineDecorator):
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode",
+        "tokens_per_media_item", "mtp_decode", "warm_prefixes",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -115,6 +116,7 @@ class RoutingEngine(EngineDecorator):
         self.admission: Any = None  # an admission.AdmissionController once the model is loaded
         self.tokens_per_media_item = 0
         self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
+        self.warm_prefixes: frozenset[str] = frozenset()  # --warm-prompts prefixes: their snapshots are system prefixes
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info("MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings); text requests get MTP")
 
@@ -155,8 +157,20 @@ class RoutingEngine(EngineDecorator):
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
 
-    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
-        return self._encode(self._render(messages, options))
+    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> tuple[list[int], list[tuple[int, str]]]:
+        """The prompt's tokens and, with a prefix cache, where it is worth a snapshot."""
+        prompt = self._render(messages, options)
+        ids = self._encode(prompt)
+        if getattr(self.text_engine, "prefix_cache", None) is None:
+            return ids, []
+        from .prefix_cache.boundaries import snapshot_positions
+
+        return ids, snapshot_positions(lambda m: self._render(m, options), self._encode, messages, prompt, ids)
+
+    def _raw_prompt(self, prompt: str) -> tuple[list[int], list[tuple[int, str]]]:
+        ids = self._encode(prompt)
+        # The host's --warm-prompts start-up sends each system prefix as a raw prompt.
+        return ids, [(len(ids) - 1, "system")] if prompt in self.warm_prefixes else []
 
     async def _admit(self, path: str, prompt_tokens: int, options: dict[str, Any], priority: int) -> Any:
         """Wait for room, or raise RequestRejected (503 busy, 413 never fits) before any output exists."""
@@ -174,14 +188,19 @@ class RoutingEngine(EngineDecorator):
         items = sum(len(options.get(k) or ()) for k in MEDIA_OPTIONS) + _media_parts(messages)
         return len(self._encode(prompt or "")) + items * self.tokens_per_media_item
 
-    async def _text_stream(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> AsyncIterator[TextOutput]:
+    async def _text_stream(
+        self, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: list[tuple[int, str]] | None = None
+    ) -> AsyncIterator[TextOutput]:
         ticket = await self._admit("text", len(prompt_ids), options, priority)
         request_id: str | None = None
         finished = False
         try:
-            request_id = await self.text_engine.add_request(prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}")
+            request_id = await self.text_engine.add_request(
+                prompt_ids, sampling_options(options), f"text-{uuid.uuid4().hex[:12]}", snapshot_at
+            )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
+                host_usage.record(out.cached_tokens)
                 yield out
         finally:
             if request_id is not None and not finished:  # client went away or the task was cancelled
@@ -189,9 +208,11 @@ class RoutingEngine(EngineDecorator):
             if ticket is not None:
                 ticket.release()
 
-    async def _text_result(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> Any:
+    async def _text_result(
+        self, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: list[tuple[int, str]] | None = None
+    ) -> Any:
         last: TextOutput | None = None
-        async for out in self._text_stream(prompt_ids, options, priority):
+        async for out in self._text_stream(prompt_ids, options, priority, snapshot_at):
             last = out
         assert last is not None
         return to_generation_output(last, streaming=False)
@@ -221,7 +242,8 @@ class RoutingEngine(EngineDecorator):
         if self._route(messages, kwargs) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.chat(messages=messages, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(self._text_prompt(messages, kwargs), {**kwargs, **plugin}, priority)
+        ids, marks = self._text_prompt(messages, kwargs)
+        return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
@@ -231,7 +253,8 @@ class RoutingEngine(EngineDecorator):
             async for out in self._media_stream(lambda: self.wrapped.stream_chat(messages=messages, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._text_prompt(messages, kwargs), {**kwargs, **plugin}, priority):
+        ids, marks = self._text_prompt(messages, kwargs)
+        async for out in self._text_stream(ids, {**kwargs, **plugin}, priority, marks):
             yield to_generation_output(out, streaming=True)
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
@@ -239,7 +262,7 @@ class RoutingEngine(EngineDecorator):
         if self._route(None, kwargs) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(self._encode(prompt), {**kwargs, **plugin}, priority)
+        return await self._text_result(*self._raw_prompt(prompt), {**kwargs, **plugin}, priority)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
@@ -248,7 +271,8 @@ class RoutingEngine(EngineDecorator):
             async for out in self._media_stream(lambda: self.wrapped.stream_generate(prompt=prompt, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._encode(prompt), {**kwargs, **plugin}, priority):
+        ids, marks = self._raw_prompt(prompt)
+        async for out in self._text_stream(ids, {**kwargs, **plugin}, priority, marks):
             yield to_generation_output(out, streaming=True)
 
     def routing_stats(self) -> dict[str, Any]:
@@ -260,6 +284,8 @@ class RoutingEngine(EngineDecorator):
         if self.admission is not None:
             stats["admission"] = self.admission.stats()
         stats["mtp"] = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}
+        cache = getattr(self.text_engine, "prefix_cache", None)
+        stats["prefix_cache"] = cache.stats() if cache is not None else {"enabled": False}
         return stats
 
 

@@ -42,10 +42,10 @@ class SnapshotPlan:
             logger.debug("prefix cache hit for %s: %d of %d prompt tokens (%s)", seq.rid, hit.length, len(prompt_ids), hit.kind)
         positions: dict[int, str] = {}
         for pos, kind in seq.req.snapshot_at:
-            if restored < pos < to_prefill:
+            if restored < pos <= to_prefill:
                 positions[pos] = kind
         if restored < to_prefill:
-            positions[to_prefill] = "prompt"
+            positions.setdefault(to_prefill, "prompt")
         cache.count_prefilled(to_prefill - restored)
         return cls(cache, positions)
 
@@ -74,7 +74,9 @@ class SnapshotPlan:
         tokens = [*seq.req.prompt_ids, *seq.token_ids]
         if held != len(tokens) - 1 or held <= len(seq.req.prompt_ids) - 1:
             return
+        # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
+        whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)
         try:
-            cache.save(tokens, "generation", PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held))
+            cache.save(tokens, "system" if whole else "generation", PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held))
         except Exception:
             logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)

@@ -45,6 +45,7 @@ class TextEngine:
         prefill_step_size: int = 2048,
         eos_token_ids: list[int] | None = None,
         decode: DecodeStrategy | None = None,
+        prefix_cache: Any = None,
     ) -> None:
         self.scheduler = BatchScheduler(
             model,
@@ -53,6 +54,7 @@ class TextEngine:
             prefill_step_size=prefill_step_size,
             eos_token_ids=eos_token_ids,
             decode=decode,
+            prefix_cache=prefix_cache,
         )
         self._queues: dict[str, asyncio.Queue[TextOutput]] = {}
         self._wakeup: asyncio.Event | None = None
@@ -84,14 +86,19 @@ class TextEngine:
                 self._deliver(out)
 
     async def add_request(
-        self, prompt_ids: list[int], options: SamplingOptions, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        options: SamplingOptions,
+        request_id: str | None = None,
+        snapshot_at: list[tuple[int, str]] | None = None,
     ) -> str:
+        """``snapshot_at``: prompt positions worth a prefix-cache snapshot (``TextRequest``)."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
-        self.scheduler.add(TextRequest(rid, list(prompt_ids), options))
+        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ())))
         self._queues[rid] = asyncio.Queue()
         self._wakeup.set()
         return rid
@@ -130,6 +137,10 @@ class TextEngine:
             return False
         self._deliver(out)
         return True
+
+    @property
+    def prefix_cache(self) -> Any:
+        return self.scheduler.prefix_cache
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
