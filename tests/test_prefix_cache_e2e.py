@@ -91,7 +91,8 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
 def test_flags_budget_and_warm_prompts(tiny_vlm_fp32, logs, tmp_path):
     warm = tmp_path / "warm.json"
     warm.write_text(json.dumps([[{"role": "system", "content": SYSTEM}]]))
-    with serve(tiny_vlm_fp32, *BASE, "--cache-memory-mb", "64", "--warm-prompts", str(warm), log_dir=logs) as server:
+    with serve(tiny_vlm_fp32, *BASE, "--cache-memory-mb", "64", "--warm-prompts", str(warm), "--enable-metrics",
+               log_dir=logs) as server:
         stats = _status(server)["prefix_cache"]
         assert stats["budget_bytes"] == 64 * 2**20
         assert stats["entries"] >= 1  # the warm-up's system prefix
@@ -100,6 +101,10 @@ def test_flags_budget_and_warm_prompts(tiny_vlm_fp32, logs, tmp_path):
         assert usage.prompt_tokens_details.cached_tokens > 100  # the very first request hits
         stats = _status(server)["prefix_cache"]
         assert stats["hits_by_kind"].get("system", 0) >= 1
+        with server.client() as c:
+            metrics = c.get("/metrics").text
+        assert f"vllm_mlx_mtp_routing_prefix_cache_hits_total {float(stats['hits'])}" in metrics
+        assert f"vllm_mlx_mtp_routing_prefix_cache_budget_bytes {float(64 * 2**20)}" in metrics
     for bad in (("--cache-memory-percent", "0"), ("--cache-memory-percent", "1.5")):
         with pytest.raises(RuntimeError, match=r"exited with 2[\s\S]*--cache-memory-percent"):
             with serve(tiny_vlm_fp32, *BASE, *bad, log_dir=logs, startup_timeout=60):

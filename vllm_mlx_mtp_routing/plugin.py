@@ -190,8 +190,10 @@ def _prefix_cache(model: Any, router: RoutingEngine) -> Any:
 
     cache = PrefixCache(model, settings.budget_bytes, with_head=router.mtp_decode is not None)
     from .host import usage
+    from .prefix_cache.metrics import register_metrics
 
     usage.install()
+    register_metrics(cache)
     if router.admission is not None:
         router.admission.cache_bytes = lambda: cache.nbytes
     if STATE.warm_prompts:
