@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -205,6 +206,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     total = time.perf_counter() - t0
+    # A first token may decode to no visible text (a newline, half a character): then the end of
+    # the stream stands for it, which with max_tokens 1 is the same moment.
     out = {"ttft_s": ttft if ttft is not None else total, "total_s": total, "error": error}
     if usage:
         out["prompt_tokens"] = usage.get("prompt_tokens")
@@ -281,13 +284,19 @@ def device_line() -> str:
     return f"{platform.machine()} CPU ({os.cpu_count()} cores), MLX CPU backend"
 
 
+def _raise_interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # so the servers are stopped on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(TRAINED))
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=4000)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=1,
+                    help="1 (default): TTFT is the time to the one token, whatever text it decodes to")
     ap.add_argument("--servers", default="host,mlx-lm,plugin")
     ap.add_argument("--mlx-lm-python", default="/tmp/mlxlm-venv/bin/python")
     ap.add_argument("--plugin-flags", default="", help="extra flags for the plugin server")

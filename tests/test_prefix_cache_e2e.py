@@ -54,7 +54,7 @@ def logs(tmp_path_factory):
 def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
     first, other = _conversation_turns()
     outputs = {}
-    for name, flags in (("cached", ()), ("uncached", ("--disable-prefix-cache",))):
+    for name, flags in (("cached", ()), ("uncached", ("--disable-prefix-cache",)), ("mtp", ("--enable-mtp",))):
         with serve(tiny_vlm_fp32, *BASE, *flags, log_dir=logs) as server:
             client = _client(server)
             a, ua = _chat(client, first, tools=TOOLS)
@@ -67,6 +67,9 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
             if name == "uncached":
                 assert stats == {"enabled": False}
                 assert ub.prompt_tokens_details is None or not ub.prompt_tokens_details.cached_tokens
+                continue
+            if name == "mtp":  # MTP on: hits as without it, the same greedy output
+                assert stats["hits"] == 3 and _status(server)["mtp"]["steps_with_mtp"] + _status(server)["mtp"]["steps_without_mtp"] > 0
                 continue
             assert stats["enabled"] and stats["lookups"] == 4 and stats["hits"] == 3
             assert stats["entries"] > 0 and 0 < stats["bytes"] <= stats["budget_bytes"]
@@ -85,7 +88,7 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
             assert reads[0] == 0 and reads[1] > 100
             admission = _status(server)["admission"]
             assert admission["running"] == 0 and admission["prefix_cache_bytes"] == _status(server)["prefix_cache"]["bytes"]
-    assert outputs["cached"] == outputs["uncached"]
+    assert outputs["cached"] == outputs["uncached"] == outputs["mtp"]
 
 
 def test_flags_budget_and_warm_prompts(tiny_vlm_fp32, logs, tmp_path):

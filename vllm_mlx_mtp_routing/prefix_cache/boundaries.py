@@ -6,9 +6,10 @@
 - the start of the last user or tool message's content: the conversation rendered with that
   message's content replaced by two different probes;
 - the end of the conversation as the next turn will render it: the prompt and the conversation
-  rendered with one more assistant reply and user message part where the template's generation
-  prompt stops being what a later turn repeats (Qwen3.5 opens a ``<think>`` block there that the
-  re-rendered history drops, so the end of the prompt itself never matches the next turn).
+  rendered with one more assistant reply and a user message (and, separately, a tool result) part
+  where the template's generation prompt stops being what a later turn repeats (Qwen3.5 opens a
+  ``<think>`` block there that the re-rendered history drops, and drops the think blocks of the
+  replies since the last user message once a new user message follows).
 
 A rendering's common prefix is turned into a token position by encoding it and keeping only the
 tokens that the real prompt shares (BPE may merge across the cut; the position is always a true
@@ -76,10 +77,13 @@ def snapshot_positions(
             prefix = _probe_prefix(render, messages, last)
             if prefix is not None:
                 out.append((_common_tokens(encode(prefix), prompt_ids), "message"))
-        nxt = render([*messages, {"role": "assistant", "content": _PROBES[0]}, {"role": "user", "content": _PROBES[1]}])
-        prefix = _common_prefix(prompt, nxt)
-        if prefix and prefix != prompt:
-            out.append((_common_tokens(encode(prefix), prompt_ids), "prompt"))
+        # The next turn adds a reply and then a user message or a tool result; Qwen3.5 renders the
+        # replies since the last user message with their think blocks until a user message follows.
+        for follow in ("user", "tool"):
+            nxt = render([*messages, {"role": "assistant", "content": _PROBES[0]}, {"role": follow, "content": _PROBES[1]}])
+            prefix = _common_prefix(prompt, nxt)
+            if prefix and prefix != prompt:
+                out.append((_common_tokens(encode(prefix), prompt_ids), "prompt"))
     except Exception as exc:  # a template that cannot render a probe: no mid-prompt snapshots
         logger.debug("prefix cache: no snapshot positions (%s: %s)", type(exc).__name__, exc)
         return []

@@ -46,7 +46,6 @@ class SnapshotPlan:
                 positions[pos] = kind
         if restored < to_prefill:
             positions.setdefault(to_prefill, "prompt")
-        cache.count_prefilled(to_prefill - restored)
         return cls(cache, positions)
 
     def cut(self, start: int, end: int) -> int:
@@ -56,9 +55,12 @@ class SnapshotPlan:
                 return p
         return end
 
-    def after_chunk(self, seq: Any) -> None:
+    def after_chunk(self, seq: Any, n: int) -> None:
+        if self.cache is None:
+            return
+        self.cache.count_prefilled(n)
         kind = self.positions.get(seq.prefilled)
-        if self.cache is None or kind is None:
+        if kind is None:
             return
         try:
             self.cache.save(seq.req.prompt_ids, kind, seq.prefill)

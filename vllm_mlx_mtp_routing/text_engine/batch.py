@@ -190,7 +190,7 @@ class BatchScheduler:
             state.position += n
         self.prompt_tokens += n
         if seq.plan is not None:
-            seq.plan.after_chunk(seq)
+            seq.plan.after_chunk(seq, n)
         return n
 
     def _prefill_state(self, seq: Row) -> PrefillState:
