@@ -106,8 +106,11 @@ def test_flags_budget_and_warm_prompts(tiny_vlm_fp32, logs, tmp_path):
         assert stats["hits_by_kind"].get("system", 0) >= 1
         with server.client() as c:
             metrics = c.get("/metrics").text
-        assert f"vllm_mlx_mtp_routing_prefix_cache_hits_total {float(stats['hits'])}" in metrics
-        assert f"vllm_mlx_mtp_routing_prefix_cache_budget_bytes {float(64 * 2**20)}" in metrics
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm_mlx_mtp_routing_prefix_cache_")}
+        assert values["vllm_mlx_mtp_routing_prefix_cache_hits_total"] == stats["hits"]
+        assert values["vllm_mlx_mtp_routing_prefix_cache_budget_bytes"] == 64 * 2**20
+        assert values["vllm_mlx_mtp_routing_prefix_cache_entries"] == stats["entries"]
     for bad in (("--cache-memory-percent", "0"), ("--cache-memory-percent", "1.5")):
         with pytest.raises(RuntimeError, match=r"exited with 2[\s\S]*--cache-memory-percent"):
             with serve(tiny_vlm_fp32, *BASE, *bad, log_dir=logs, startup_timeout=60):
