@@ -18,13 +18,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.nn as nn
 
-from ..text_engine.rows import PrefillState
 from . import snapshot
-from .tree import Entry, PrefixTree
+from .tree import PrefixTree
+
+if TYPE_CHECKING:  # the text engine imports this package (plan.py)
+    from ..text_engine.rows import PrefillState
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +78,6 @@ class PrefixCache:
 
     def count_prefilled(self, n: int) -> None:
         self.prefilled_tokens += n
-
-    def has(self, tokens: Sequence[int], length: int) -> bool:
-        return self.tree.get(tokens, length) is not None
 
     def save(self, tokens: Sequence[int], kind: str, state: PrefillState) -> bool:
         """Snapshot a state holding tokens[:state.prefilled]; False when it is not kept (already

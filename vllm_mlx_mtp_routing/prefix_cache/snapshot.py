@@ -18,13 +18,14 @@ A restore hands the caches new array objects: mlx-lm's ``KVCache`` writes into `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from ..text_engine.rows import PrefillState
+if TYPE_CHECKING:  # the text engine imports this package; its types are imported where used
+    from ..text_engine.rows import PrefillState
 
 
 def _own(x: mx.array) -> mx.array:
@@ -139,6 +140,8 @@ def restore(chain: list[Snapshot], fresh: list[Any], with_head: bool) -> Prefill
     """A ``PrefillState`` (the text engine's insert API) from a snapshot chain (base first), its
     backbone in ``fresh`` (``model.make_cache()``). Without the head's state (a snapshot taken
     without MTP, or ``with_head`` False) the head skips those positions."""
+    from ..text_engine.rows import PrefillState
+
     last = chain[-1]
     for i, c in enumerate(fresh):
         if isinstance(c, KVCache):
