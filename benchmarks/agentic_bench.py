@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -279,9 +280,18 @@ def markdown(summary: dict, meta: dict) -> str:
 
 
 def device_line() -> str:
-    import platform
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_bench import device_line as serve_device_line
 
-    return f"{platform.machine()} CPU ({os.cpu_count()} cores), MLX CPU backend"
+    return serve_device_line()
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _raise_interrupted(signum, frame) -> None:
@@ -302,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plugin-flags", default="", help="extra flags for the plugin server")
     ap.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, ~600-token prefix")
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--server-cmd", default=None,
+                    help="replaces the vllm-mlx console script, e.g. 'python benchmarks/vllm_mlx_launcher.py --site DIR'")
     a = ap.parse_args(argv)
     if a.quick:
         a.conversations, a.turns, a.system_tokens = 2, 3, 600
@@ -318,35 +330,49 @@ def main(argv: list[str] | None = None) -> int:
     base = ["--continuous-batching", "--mllm"]
     results: dict[str, list[list[dict]]] = {s: [] for s in servers}
     statuses: dict[str, dict] = {}
+    cmd = shlex.split(a.server_cmd) if a.server_cmd else None
+    interrupted = False
     with contextlib.ExitStack() as stack:
         urls: dict[str, tuple[str, str]] = {}
         for s in servers:
             if s == "host":
-                srv = stack.enter_context(testing_server.serve(model, *base, log_dir=log_dir, startup_timeout=300))
+                srv = stack.enter_context(testing_server.serve(model, *base, log_dir=log_dir, startup_timeout=300,
+                                                               command=cmd))
                 urls[s] = (srv.url, srv.model)
             elif s == "plugin":
                 flags = [*base, "--plugins", "mtp-routing", *a.plugin_flags.split()]
-                srv = stack.enter_context(testing_server.serve(model, *flags, log_dir=log_dir, startup_timeout=300))
+                srv = stack.enter_context(testing_server.serve(model, *flags, log_dir=log_dir, startup_timeout=300,
+                                                               command=cmd))
                 urls[s] = (srv.url, srv.model)
             elif s == "mlx-lm":
                 srv = stack.enter_context(mlx_lm_server(a.mlx_lm_python, model, log_dir))
                 urls[s] = (srv.url, str(model))
             else:
                 raise SystemExit(f"unknown server {s!r}")
-        for t in range(a.turns):
-            order = servers[t % len(servers):] + servers[: t % len(servers)]
-            for s in order:
-                url, name = urls[s]
-                recs = asyncio.run(run_turn(url, name, convs, t, a.max_tokens))
-                results[s].append(recs)
-                print(f"turn {t + 1} {s}: ttft {[round(r['ttft_s'], 2) for r in recs]} "
-                      f"cached {[r.get('cached_tokens') for r in recs]} errors {[r['error'] for r in recs if r.get('error')]}",
-                      file=sys.stderr, flush=True)
-        if "plugin" in urls:
-            statuses["plugin"] = httpx.get(f"{urls['plugin'][0]}/v1/status", timeout=30).json()["plugins"]["mtp-routing"].get("prefix_cache", {})
+        try:
+            for t in range(a.turns):
+                order = servers[t % len(servers):] + servers[: t % len(servers)]
+                for s in order:
+                    url, name = urls[s]
+                    recs = asyncio.run(run_turn(url, name, convs, t, a.max_tokens))
+                    results[s].append(recs)
+                    print(f"turn {t + 1} {s}: ttft {[round(r['ttft_s'], 2) for r in recs]} "
+                          f"cached {[r.get('cached_tokens') for r in recs]} "
+                          f"errors {[r['error'] for r in recs if r.get('error')]}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # a time limit: keep the turns every server finished
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the rest is quick: servers stop, results written
+            interrupted = True
+            done = min(len(v) for v in results.values())
+            results = {k: v[:done] for k, v in results.items()}
+            a.turns = done
+        if "plugin" in urls and not interrupted:
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):  # gone after a time limit
+                status = httpx.get(f"{urls['plugin'][0]}/v1/status", timeout=30).json()
+                statuses["plugin"] = status["plugins"]["mtp-routing"].get("prefix_cache", {})
     summary = summarize(results, a.turns, changed)
     meta = {"conversations": a.conversations, "turns": a.turns, "system_tokens": a.system_tokens,
-            "max_tokens": a.max_tokens, "device": device_line(), "model": str(model), "servers": servers}
+            "max_tokens": a.max_tokens, "device": device_line(), "model": str(model), "servers": servers,
+            "commit": os.environ.get("BENCH_COMMIT") or _git_commit(), "interrupted": interrupted}
     report = {"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"), "raw": results}
     print(markdown(summary, meta), file=sys.stderr)
     if a.out:
