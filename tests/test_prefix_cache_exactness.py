@@ -220,3 +220,22 @@ def test_snapshots_own_their_arrays(tiny):
         kv = [p for p in e.payload.layers if not isinstance(p, list)]
         assert len(kv) == sum(1 for p in e.payload.layers) - sum(1 for p in e.payload.layers if isinstance(p, list))
         assert all(p.end - p.start == (p.keys.shape[2] if p.keys is not None else 0) for p in kv)
+
+
+def test_abort_mid_prefill_after_a_hit_leaves_the_cache_usable(tiny):
+    """A request aborted while prefilling on a restored prefix: nothing pinned, nothing broken; the
+    next request hits and matches the cold output."""
+    from vllm_mlx_mtp_routing.text_engine import BatchScheduler, TextRequest
+
+    bundle, tok = tiny
+    cache = _cache(bundle)
+    marks = [(len(SYSTEM), "system")]
+    run(bundle, tok, [(0, SYSTEM + U1, SamplingOptions(max_tokens=2), marks)], cache=cache)
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=2, prefill_step_size=PREFILL, prefix_cache=cache)
+    sched.add(TextRequest("a", SYSTEM + _tokens(60, 11), SamplingOptions(max_tokens=5), marks))
+    sched.step()  # restores the system prefix, prefills one chunk of the rest
+    assert 0 < sched.prefilling[0].prefilled < len(SYSTEM) + 59
+    assert sched.abort("a").finish_reason == "abort"
+    assert all(e.pins == 0 for e in cache.tree.entries())
+    (out,), _ = run(bundle, tok, [(0, SYSTEM + U2, SamplingOptions(max_tokens=8))], cache=cache)
+    assert out.cached_tokens == len(SYSTEM) and out.token_ids == cold(bundle, tok, SYSTEM + U2, 8)
