@@ -78,3 +78,23 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert cfg["mixed"]["media"]["requests"] >= 1
     assert set(report["ratios"]["text"]) == {"1", "2"}
     assert (tmp_path / "serve_bench_quick.md").read_text().count("| plugin |") >= 2
+
+
+def test_agentic_bench_workload_and_summary() -> None:
+    import agentic_bench as AB
+
+    turns = AB.conversation_turns(1, 4, "SYS")
+    assert [len(t) for t in turns] == [2, 4, 6, 8]
+    assert [t[-1]["role"] for t in turns] == ["user", "tool", "user", "tool"]  # tool results and user messages alternate
+    assert all(t[: len(prev)] == prev for prev, t in zip(turns, turns[1:]))  # each turn extends the one before
+    rec = lambda ttft, p, c: {"ttft_s": ttft, "total_s": ttft, "error": None, "prompt_tokens": p, "cached_tokens": c}
+    results = {
+        "host": [[rec(10.0, 100, 0)], [rec(12.0, 150, 0)]],
+        "plugin": [[rec(8.0, 100, 0)], [rec(3.0, 150, 98)]],
+        "mlx-lm": [[rec(9.0, 100, 0)], [rec(6.0, 150, 99)]],
+    }
+    s = AB.summarize(results, 2, changed=[[100], [52]])
+    p = s["plugin"][1]
+    assert p["prefilled_tokens"] == [52] and p["new_tokens"] == [50] and p["changed_tokens"] == [52]
+    assert p["prefilled_vs_changed"] == [1.0]
+    assert p["ttft_vs_host"] == 0.25 and p["ttft_vs_mlx_lm"] == 0.5

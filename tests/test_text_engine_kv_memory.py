@@ -136,7 +136,8 @@ def test_on_joined_runs_once_when_the_row_joins(tiny):
     bundle, tok = tiny
     sched = BatchScheduler(bundle.model, tok, prefill_step_size=16)
     joined = []
-    sched.add(TextRequest("a", list(range(10, 60)), SamplingOptions(max_tokens=3), lambda: joined.append(len(sched.running))))
+    sched.add(TextRequest("a", list(range(10, 60)), SamplingOptions(max_tokens=3),
+                           on_joined=lambda: joined.append(len(sched.running))))
     steps = 0
     while sched.has_work():
         sched.step()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, admission
+from .prefix_cache import settings as prefix_settings
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
 from .flag_types import int_at_least, non_negative
@@ -33,6 +34,8 @@ class _State:
     mtp_schedule: str = "adaptive"
     mtp_max_batch_size: int | None = None
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
+    prefix_cache: prefix_settings.PrefixCacheSettings | None = None
+    warm_prompts: str | None = None
 
 
 STATE = _State()
@@ -77,6 +80,8 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.mtp_schedule = args.mtp_schedule
     STATE.mtp_max_batch_size = args.mtp_max_batch_size
     STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
+    STATE.prefix_cache = prefix_settings.from_args(args)
+    STATE.warm_prompts = getattr(args, "warm_prompts", None)
 
 
 @hookimpl
@@ -189,6 +194,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router.prefill_budget = calibrate(
         bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
     )
+    prefix_cache = _prefix_cache(bundle.model, router)
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
@@ -196,11 +202,36 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         prefill_step_size=router.settings.prefill_step_size,
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
         decode=router.mtp_decode,
+        prefix_cache=prefix_cache,
     )
     router.prefill_budget.apply(text_engine.scheduler)
     # Built once the text path knows whether MTP loaded: its projection comes from the engine.
     router.admission = _admission_controller(info, router, text_engine)
     return router.start_text_path(text_engine)
+
+
+def _prefix_cache(model: Any, router: RoutingEngine) -> Any:
+    settings = STATE.prefix_cache or prefix_settings.from_args(None)
+    if not settings.enabled or settings.budget_bytes <= 0:
+        logger.info("mtp-routing: text-path prefix cache off (%s)", "--disable-prefix-cache" if not settings.enabled else "budget 0")
+        return None
+    from .prefix_cache.cache import PrefixCache
+
+    cache = PrefixCache(model, settings.budget_bytes, with_head=router.mtp_decode is not None)
+    from .host import usage
+    from .prefix_cache.metrics import register_metrics
+
+    usage.install()
+    register_metrics(cache)
+    if router.admission is not None:
+        router.admission.cache_bytes = lambda: cache.nbytes
+    if STATE.warm_prompts:
+        router.warm_prefixes = engine_access.warm_prompt_prefixes(STATE.warm_prompts, router.tokenizer_for_text)
+    logger.info(
+        "mtp-routing: text-path prefix cache on, budget %.0f MiB (system prompts, conversations, tool turns; snapshots of "
+        "attention KV, gated-delta state%s)", settings.budget_bytes / 2**20, " and the MTP head" if cache.with_head else "",
+    )
+    return cache
 
 
 @hookimpl

@@ -19,6 +19,7 @@ from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
 from .host import asgi
 from .host import engine_access as host
+from .host import usage as host_usage
 from .normalize import normalize_messages
 from .request_validation import fit_to_context
 from .text_engine.outputs import TextOutput
@@ -118,7 +119,7 @@ class RoutingEngine(EngineDecorator):
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget",
+        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -133,6 +134,7 @@ class RoutingEngine(EngineDecorator):
         self.context_tokens: int | None = None  # the model's context (max_position_embeddings), once loaded
         self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
         self.prefill_budget: Any = None  # text_engine.prefill_budget.PrefillBudget, once calibrated
+        self.warm_prefixes: frozenset[str] = frozenset()  # --warm-prompts prefixes: their snapshots are system prefixes
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info(
                 "MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings), so the host's "
@@ -177,8 +179,20 @@ class RoutingEngine(EngineDecorator):
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
 
-    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
-        return self._encode(self._render(messages, options))
+    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> tuple[list[int], list[tuple[int, str]]]:
+        """The prompt's tokens and, with a prefix cache, where it is worth a snapshot."""
+        prompt = self._render(messages, options)
+        ids = self._encode(prompt)
+        if getattr(self.text_engine, "prefix_cache", None) is None:
+            return ids, []
+        from .prefix_cache.boundaries import snapshot_positions
+
+        return ids, snapshot_positions(lambda m: self._render(m, options), self._encode, messages, prompt, ids)
+
+    def _raw_prompt(self, prompt: str) -> tuple[list[int], list[tuple[int, str]]]:
+        ids = self._encode(prompt)
+        # The host's --warm-prompts start-up sends each system prefix as a raw prompt.
+        return ids, [(len(ids) - 1, "system")] if prompt in self.warm_prefixes else []
 
     def _fit_context(self, prompt_tokens: int, options: dict[str, Any]) -> None:
         """400 before any prefill when the prompt cannot fit the model's context; a default max_tokens is cut to fit."""
@@ -222,7 +236,9 @@ class RoutingEngine(EngineDecorator):
         self._fit_context(text_tokens, options)
         return text_tokens + items * self.tokens_per_media_item
 
-    async def _text_stream(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> AsyncIterator[TextOutput]:
+    async def _text_stream(
+        self, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: list[tuple[int, str]] | None = None
+    ) -> AsyncIterator[TextOutput]:
         self._fit_context(len(prompt_ids), options)
         try:
             sampling = sampling_options(options)
@@ -240,12 +256,13 @@ class RoutingEngine(EngineDecorator):
             ctx.cancel = lambda: engine.abort_now(rid)
         try:
             request_id = await engine.add_request(
-                prompt_ids, sampling, rid,
+                prompt_ids, sampling, rid, snapshot_at,
                 # the prefill working set is given back once the row joins the batch
                 on_joined=ticket.prefill_done if ticket is not None else None,
             )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
+                host_usage.record(out.cached_tokens)
                 yield out
         finally:
             if request_id is not None and not finished:  # client went away or the task was cancelled
@@ -253,9 +270,11 @@ class RoutingEngine(EngineDecorator):
             if ticket is not None:
                 ticket.release()
 
-    async def _text_result(self, prompt_ids: list[int], options: dict[str, Any], priority: int) -> Any:
+    async def _text_result(
+        self, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: list[tuple[int, str]] | None = None
+    ) -> Any:
         last: TextOutput | None = None
-        async for out in self._text_stream(prompt_ids, options, priority):
+        async for out in self._text_stream(prompt_ids, options, priority, snapshot_at):
             last = out
         assert last is not None
         return to_generation_output(last, streaming=False)
@@ -285,7 +304,8 @@ class RoutingEngine(EngineDecorator):
         if self._route(messages, kwargs) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.chat(messages=messages, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(self._text_prompt(messages, kwargs), {**kwargs, **plugin}, priority)
+        ids, marks = self._text_prompt(messages, kwargs)
+        return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
@@ -295,7 +315,8 @@ class RoutingEngine(EngineDecorator):
             async for out in self._media_stream(lambda: self.wrapped.stream_chat(messages=messages, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._text_prompt(messages, kwargs), {**kwargs, **plugin}, priority):
+        ids, marks = self._text_prompt(messages, kwargs)
+        async for out in self._text_stream(ids, {**kwargs, **plugin}, priority, marks):
             yield to_generation_output(out, streaming=True)
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
@@ -303,7 +324,7 @@ class RoutingEngine(EngineDecorator):
         if self._route(None, kwargs) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(self._encode(prompt), {**kwargs, **plugin}, priority)
+        return await self._text_result(*self._raw_prompt(prompt), {**kwargs, **plugin}, priority)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
@@ -312,7 +333,8 @@ class RoutingEngine(EngineDecorator):
             async for out in self._media_stream(lambda: self.wrapped.stream_generate(prompt=prompt, **kwargs), tokens, kwargs, priority):
                 yield out
             return
-        async for out in self._text_stream(self._encode(prompt), {**kwargs, **plugin}, priority):
+        ids, marks = self._raw_prompt(prompt)
+        async for out in self._text_stream(ids, {**kwargs, **plugin}, priority, marks):
             yield to_generation_output(out, streaming=True)
 
     async def abort_request(self, request_id: str) -> bool:
@@ -364,6 +386,8 @@ class RoutingEngine(EngineDecorator):
         if self.admission is not None:
             stats["admission"] = self.admission.stats()
         stats["mtp"] = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}
+        cache = getattr(self.text_engine, "prefix_cache", None)
+        stats["prefix_cache"] = cache.stats() if cache is not None else {"enabled": False}
         return stats
 
 

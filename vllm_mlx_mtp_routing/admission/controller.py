@@ -147,6 +147,10 @@ class AdmissionController:
         self._waiting: list[_Waiter] = []
         self._reserved = 0
         self._baseline = int(active_memory())
+        # Prefix-cache bytes (set by the plugin): resident memory that grows while requests run,
+        # after ``baseline`` was measured, so its growth since then counts as used.
+        self.cache_bytes: Callable[[], int] = lambda: 0
+        self._baseline_cache = 0
         self._admitted = 0
         self._queued_total = 0
         self._completed = 0
@@ -203,8 +207,8 @@ class AdmissionController:
             limits = [t for t in (self.queue_timeout_s, max_wait_s) if t is not None]
             waiter = _Waiter(request, projection, path, loop, self._clock(), min(limits) if limits else None)
             if not self._running:
-                self._baseline = int(self._active_memory())
-            available = self.budget_bytes - self._baseline
+                self._baseline, self._baseline_cache = int(self._active_memory()), self.cache_bytes()
+            available = self.budget_bytes - self._resident()
             if projection.total_bytes > available:
                 self._rejected["too_large"] += 1
                 raise RequestRejected(
@@ -274,6 +278,7 @@ class AdmissionController:
                 "queue_timeout_s": self.queue_timeout_s,
                 "reserved_bytes": self._reserved,
                 "baseline_bytes": self._baseline,
+                "prefix_cache_bytes": self.cache_bytes(),
                 "active_bytes": live,
                 "budget_bytes": self.budget_bytes,
                 "device_bytes": self.device_bytes,
@@ -327,8 +332,11 @@ class AdmissionController:
     def _fits(self, need: int) -> bool:
         live = int(self._active_memory())
         if not self._running:
-            self._baseline = live
-        return max(live, self._baseline + self._reserved) + need <= self.budget_bytes
+            self._baseline, self._baseline_cache = live, self.cache_bytes()
+        return max(live, self._resident() + self._reserved) + need <= self.budget_bytes
+
+    def _resident(self) -> int:
+        return self._baseline + max(0, self.cache_bytes() - self._baseline_cache)
 
     def _admit(self, waiter: _Waiter) -> Ticket:
         now = self._clock()

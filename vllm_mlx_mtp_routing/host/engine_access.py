@@ -78,3 +78,28 @@ def request_wait_limit(body: dict[str, Any]) -> float | None:
     if not timeout:
         return None
     return max(float(timeout) - TIMEOUT_MARGIN_S, float(timeout) / 2)
+
+
+def host_cache_budget_bytes(cache_memory_mb: int | None, cache_memory_percent: float) -> int:
+    """The prefix-cache byte budget as the host computes it from --cache-memory-mb /
+    --cache-memory-percent (vllm-mlx 0.6.0 ``memory_cache.MemoryCacheConfig.compute_memory_limit``:
+    MB given, or that fraction of the available RAM, at least its own minimum)."""
+    from vllm_mlx.memory_cache import MemoryCacheConfig
+
+    if cache_memory_mb == 0:
+        return 0
+    return int(MemoryCacheConfig(max_memory_mb=cache_memory_mb, max_memory_percent=cache_memory_percent).compute_memory_limit())
+
+
+def warm_prompt_prefixes(path: str, tokenizer: Any) -> frozenset[str]:
+    """The prompt strings the host's --warm-prompts start-up will send (vllm-mlx 0.6.0
+    ``prompt_warmup``: its private ``_build_strict_prefix_string`` per entry), so the text path can
+    keep their snapshots as system prefixes. A file the host cannot read gives none (the host logs it)."""
+    from vllm_mlx import prompt_warmup
+
+    try:
+        entries = prompt_warmup.load_warmup_file(path)
+    except Exception:
+        return frozenset()
+    prefixes = (prompt_warmup._build_strict_prefix_string(tokenizer, messages) for messages in entries)
+    return frozenset(p for p in prefixes if p)

@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import prefill_budget, row_check
+from ..prefix_cache.plan import SnapshotPlan
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
 from ..admission.memory_model import MemoryModel
@@ -67,7 +68,9 @@ class BatchScheduler:
         prefill_step_size: int = 2048,
         eos_token_ids: list[int] | set[int] | None = None,
         decode: DecodeStrategy | None = None,
+        prefix_cache: Any = None,
     ) -> None:
+        """``prefix_cache``: a ``prefix_cache.PrefixCache`` (None: every prompt is prefilled in full)."""
         if max_num_seqs < 1 or prefill_step_size < 1:
             raise ValueError("max_num_seqs and prefill_step_size must be >= 1")
         self.model = model
@@ -79,6 +82,7 @@ class BatchScheduler:
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Row] = deque()
         self.prefilling: list[Row] = []
         # The decode batch owns the running rows and every batch cache (backbone and MTP head).
@@ -158,8 +162,10 @@ class BatchScheduler:
         done, started, last = 0, time.perf_counter(), 0.0
         for seq in list(self.prefilling):
             try:
+                if seq.plan is None:  # looked up now, not at add: a prefix the request before it just prefilled counts
+                    seq.plan = SnapshotPlan.start(self.prefix_cache, seq)
                 while seq.prefilled < seq.to_prefill:
-                    n = min(self.prefill_chunk, seq.to_prefill - seq.prefilled)
+                    n = self._chunk_len(seq)
                     if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break
                     tic = time.perf_counter()
@@ -176,17 +182,24 @@ class BatchScheduler:
             self._join(seq)
         return outputs
 
+    def _chunk_len(self, seq: Row) -> int:
+        """Chunks end at multiples of the chunk size (fixed for the server's life, see prefill_budget)
+        from the prompt's start, never depending on the other requests, and at the request's
+        prefix-cache snapshot positions."""
+        start = seq.prefilled
+        end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, seq.to_prefill)
+        return (seq.plan.cut(start, end) if seq.plan is not None else end) - start
+
     def _prefill_chunk(self, seq: Row) -> int:
         state = self._prefill_state(seq)
         start = state.prefilled
-        # Boundaries at fixed multiples of the chunk (fixed for the server's life, see prefill_budget)
-        # from the prompt's start (or from where a restored state left off), never depending on the
-        # other requests.
-        n = min(self.prefill_chunk, seq.to_prefill - start)
+        n = self._chunk_len(seq)
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
         self.decode.prefill(self.model, chunk, state)
         state.prefilled += n
         self.prompt_tokens += n
+        if seq.plan is not None:
+            seq.plan.after_chunk(seq, n)
         return n
 
     def _prefill_state(self, seq: Row) -> PrefillState:
@@ -237,6 +250,8 @@ class BatchScheduler:
             outputs.append(out)
             if seq.finish_reason:
                 finished.append(seq)
+                if self.prefix_cache is not None:
+                    SnapshotPlan.after_generation(self.prefix_cache, seq, self.cache, i)
         if finished:
             self._drop_rows(finished)
         return outputs
@@ -274,5 +289,6 @@ class BatchScheduler:
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "cache_bytes": self.batch.nbytes,
             **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
+            "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
             **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
         }

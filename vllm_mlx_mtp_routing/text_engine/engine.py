@@ -46,6 +46,7 @@ class TextEngine:
         prefill_step_size: int = 2048,
         eos_token_ids: list[int] | None = None,
         decode: DecodeStrategy | None = None,
+        prefix_cache: Any = None,
     ) -> None:
         self.scheduler = BatchScheduler(
             model,
@@ -54,6 +55,7 @@ class TextEngine:
             prefill_step_size=prefill_step_size,
             eos_token_ids=eos_token_ids,
             decode=decode,
+            prefix_cache=prefix_cache,
         )
         self._queues: dict[str, asyncio.Queue[TextOutput]] = {}
         self._wakeup: asyncio.Event | None = None
@@ -85,17 +87,23 @@ class TextEngine:
                 self._deliver(out)
 
     async def add_request(
-        self, prompt_ids: list[int], options: SamplingOptions, request_id: str | None = None,
-        *, on_joined: Callable[[], None] | None = None,
+        self,
+        prompt_ids: list[int],
+        options: SamplingOptions,
+        request_id: str | None = None,
+        snapshot_at: list[tuple[int, str]] | None = None,
+        *,
+        on_joined: Callable[[], None] | None = None,
     ) -> str:
-        """Queue a request; ``on_joined`` runs (on the step's thread) when its prefill is done and
-        it joins the decode batch."""
+        """Queue a request. ``snapshot_at``: prompt positions worth a prefix-cache snapshot
+        (``TextRequest``); ``on_joined`` runs (on the step's thread) when its prefill is done and it
+        joins the decode batch."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
-        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, on_joined))
+        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined))
         self._queues[rid] = asyncio.Queue()
         self._wakeup.set()
         return rid
@@ -143,6 +151,10 @@ class TextEngine:
     def memory_model(self) -> MemoryModel:
         """What this engine allocates per request: admission's projection for the text path."""
         return self.scheduler.memory_model()
+
+    @property
+    def prefix_cache(self) -> Any:
+        return self.scheduler.prefix_cache
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

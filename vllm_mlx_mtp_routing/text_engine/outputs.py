@@ -27,4 +27,5 @@ class TextOutput:
     finish_reason: str | None
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     error: str | None = None

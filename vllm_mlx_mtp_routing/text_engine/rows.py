@@ -33,6 +33,9 @@ class TextRequest:
     request_id: str
     prompt_ids: list[int]
     options: SamplingOptions = field(default_factory=SamplingOptions)
+    # Prompt positions worth a prefix-cache snapshot, with their kind ("system", "message"); the
+    # end of the prompt is always one. Used only with a prefix cache.
+    snapshot_at: list[tuple[int, str]] = field(default_factory=list)
     # Called once when the request's prefill is done and it joins the decode batch.
     on_joined: Callable[[], None] | None = None
 
@@ -107,6 +110,8 @@ class Row:
         self.emitted_tokens = 0
         self.drafted = 0
         self.accepted = 0
+        self.plan: Any = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache
 
     @property
     def prefilled(self) -> int:
@@ -150,6 +155,7 @@ class Row:
             finish_reason=reason,
             mtp_drafted=self.drafted,
             mtp_accepted=self.accepted,
+            cached_tokens=self.cached_tokens,
             error=error,
         )
 

@@ -1,0 +1,74 @@
+"""Per-response reused prompt tokens in the host's usage objects (vllm-mlx 0.6.0 internals).
+
+The host builds ``Usage(prompt_tokens=..., ...)`` (OpenAI, ``vllm_mlx.api.models``) and
+``AnthropicUsage(input_tokens=..., ...)`` itself from a ``GenerationOutput`` that has no field for
+cached tokens. The text path records a request's reused tokens on the plugin's per-request
+context (``asgi.current()``, shared by every task the request's handler starts), and the two usage
+models read it when they are built: OpenAI gains ``prompt_tokens_details.cached_tokens`` (as OpenAI and mlx-lm's server
+report it), Anthropic's existing ``cache_read_input_tokens`` is filled. Requests the text path did
+not serve leave both at None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from . import asgi
+
+
+def record(cached_tokens: int) -> None:
+    """The current request reused this many prompt tokens (call from the engine side)."""
+    ctx = asgi.current()
+    if ctx is not None:
+        ctx.cached_tokens = cached_tokens
+
+
+def _cached() -> int | None:
+    return getattr(asgi.current(), "cached_tokens", None)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+def _openai_details() -> PromptTokensDetails | None:
+    n = _cached()
+    return None if n is None else PromptTokensDetails(cached_tokens=n)
+
+
+def _anthropic_cache_read() -> int | None:
+    return _cached()
+
+
+_installed = False
+
+
+def install() -> None:
+    """Add the fields (idempotent); models that embed the usage models are rebuilt to see them."""
+    global _installed
+    if _installed:
+        return
+    from vllm_mlx.api import anthropic_models, models
+
+    models.Usage.model_fields["prompt_tokens_details"] = FieldInfo(
+        annotation=Optional[PromptTokensDetails], default_factory=_openai_details
+    )
+    anthropic_models.AnthropicUsage.model_fields["cache_read_input_tokens"] = FieldInfo(
+        annotation=Optional[int], default_factory=_anthropic_cache_read
+    )
+    for module, base in ((models, models.Usage), (anthropic_models, anthropic_models.AnthropicUsage)):
+        base.model_rebuild(force=True)
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, BaseModel) and value is not base:
+                if any(_mentions(f.annotation, base) for f in value.model_fields.values()):
+                    value.model_rebuild(force=True)
+    _installed = True
+
+
+def _mentions(annotation: Any, cls: type) -> bool:
+    if annotation is cls:
+        return True
+    return any(_mentions(a, cls) for a in getattr(annotation, "__args__", ()) or ())

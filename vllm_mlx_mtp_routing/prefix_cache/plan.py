@@ -1,0 +1,87 @@
+"""A request's prefix-cache plan while it prefills: the lookup, where its chunks end, its snapshots.
+
+The scheduler's call sites (text_engine/batch.py): ``SnapshotPlan.start`` when the request's
+prefill begins (so requests that arrive together and share an uncached prefix find the snapshot
+the first of them just took: prefill runs one request at a time, oldest first), ``cut`` when it
+sizes a chunk, ``after_chunk`` after each chunk, ``after_generation`` when the request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .snapshot import from_batch_row
+
+if TYPE_CHECKING:
+    from .cache import PrefixCache
+
+logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
+
+
+class SnapshotPlan:
+    def __init__(self, cache: PrefixCache | None, positions: dict[int, str]) -> None:
+        self.cache = cache
+        self.positions = positions  # prompt position -> kind, each > the restored prefix
+        self._cuts = sorted(positions)
+
+    @classmethod
+    def start(cls, cache: PrefixCache | None, seq: Any) -> SnapshotPlan:
+        """Look the prompt up; a hit becomes the row's ``PrefillState`` (the text engine's insert
+        API, validated as ``BatchScheduler.add(restored=...)`` does)."""
+        prompt_ids = seq.req.prompt_ids
+        to_prefill = len(prompt_ids) - 1
+        # A state restored by someone else (a sparse prefill) is left alone.
+        if cache is None or to_prefill <= 0 or seq.prefilled or (seq.prefill is not None and seq.prefill.position):
+            return cls(None, {})
+        hit = cache.lookup(prompt_ids, to_prefill)
+        restored = 0
+        if hit is not None:
+            hit.state.check(len(prompt_ids))
+            seq.prefill = hit.state
+            seq.cached_tokens = restored = hit.length
+            logger.debug("prefix cache hit for %s: %d of %d prompt tokens (%s)", seq.rid, hit.length, len(prompt_ids), hit.kind)
+        positions: dict[int, str] = {}
+        for pos, kind in seq.req.snapshot_at:
+            if restored < pos <= to_prefill:
+                positions[pos] = kind
+        if restored < to_prefill:
+            positions.setdefault(to_prefill, "prompt")
+        return cls(cache, positions)
+
+    def cut(self, start: int, end: int) -> int:
+        """The end of the chunk starting at ``start``: ``end`` or the first snapshot position before it."""
+        for p in self._cuts:
+            if start < p < end:
+                return p
+        return end
+
+    def after_chunk(self, seq: Any, n: int) -> None:
+        if self.cache is None:
+            return
+        self.cache.count_prefilled(n)
+        kind = self.positions.get(seq.prefilled)
+        if kind is None:
+            return
+        try:
+            self.cache.save(seq.req.prompt_ids, kind, seq.prefill)
+        except Exception:  # a snapshot is an optimisation: the request goes on without it
+            logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
+
+    @staticmethod
+    def after_generation(cache: PrefixCache, seq: Any, batch: Any, i: int) -> None:
+        """Keep a finished row's state (prompt + generated tokens but the last): the next turn of a
+        conversation renders this reply into its prompt. Backbone only: with MTP, a hit on it
+        restores no head state and the head skips those positions (only acceptance can suffer)."""
+        held = batch.lengths()[i]
+        tokens = [*seq.req.prompt_ids, *seq.token_ids]
+        if held != len(tokens) - 1 or held <= len(seq.req.prompt_ids) - 1:
+            return
+        from ..text_engine.rows import PrefillState  # the text engine imports this module
+
+        # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
+        whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)
+        try:
+            cache.save(tokens, "system" if whole else "generation", PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held))
+        except Exception:
+            logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)
