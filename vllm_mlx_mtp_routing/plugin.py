@@ -207,6 +207,8 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router.prefill_budget.apply(text_engine.scheduler)
     # Built once the text path knows whether MTP loaded: its projection comes from the engine.
     router.admission = _admission_controller(info, router, text_engine)
+    if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
+        router.admission.cache_bytes = lambda: prefix_cache.nbytes
     return router.start_text_path(text_engine)
 
 
@@ -223,8 +225,6 @@ def _prefix_cache(model: Any, router: RoutingEngine) -> Any:
 
     usage.install()
     register_metrics(cache)
-    if router.admission is not None:
-        router.admission.cache_bytes = lambda: cache.nbytes
     if STATE.warm_prompts:
         router.warm_prefixes = engine_access.warm_prompt_prefixes(STATE.warm_prompts, router.tokenizer_for_text)
     logger.info(
