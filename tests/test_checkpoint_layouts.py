@@ -102,31 +102,38 @@ def test_head_logits_equal_mlx_vlm_drafter_forward(variants_root):
 
 
 def test_mixed_precision_head_gets_each_module_its_own_bits(variants_root, tmp_path):
-    """A head quantized per module (8-bit down/v projections, 4-bit elsewhere, as mixed recipes do)."""
-    root, _ = variants_root
-    v = variant(root, variants_root[1], "drafter", "bf16")
-    weights, _, _ = read_drafter_folder(v.drafter)
+    """A head quantized per module by mlx-lm's quantize_model (8-bit g32 down/v projections, 4-bit g64 elsewhere,
+    as mixed recipes do), in the layout mlx-vlm's split writes: a qwen3_5_mtp drafter folder."""
+    from mlx_lm.utils import quantize_model
+    from mlx_vlm import load
+
     from vllm_mlx_mtp_routing.mtp import MTPHead
 
-    bundle = build_text_model(__import__("mlx_vlm").load(str(v.model))[0], v.model,
-                              json.loads((v.model / "config.json").read_text()), enable_mtp=False)
-    source = MTPHead(bundle.model.args, 1).bind(bundle.model)
+    root, source_model = variants_root
+    v = variant(root, source_model, "drafter", "bf16")
+    weights, _, _ = read_drafter_folder(v.drafter)
+    config = json.loads((v.model / "config.json").read_text())
+    vlm = load(str(v.model))[0]
+    text = build_text_model(vlm, v.model, config, enable_mtp=False).model
+    source = MTPHead(text.args, 1).bind(text)
     source.load_weights(list(weights.items()))
-    nn.quantize(source, class_predicate=lambda p, m: hasattr(m, "to_quantized")
-                and ({"group_size": 32, "bits": 8} if ("down_proj" in p or "v_proj" in p) else {"group_size": 64, "bits": 4}))
+    eight = {"group_size": 32, "bits": 8}
+    _, qconfig = quantize_model(source, {}, 64, 4, quant_predicate=lambda p, m: eight if ("down_proj" in p or "v_proj" in p) else True)
     mixed = dict(tree_flatten(source.parameters()))
-    (tmp_path / "mtp").mkdir()
-    mx.save_safetensors(str(tmp_path / "mtp" / "weights.safetensors"), {f"mtp.{k}": a for k, a in mixed.items()},
-                        metadata={"format": "mlx"})
-    for f in ("config.json", "model.safetensors", "model.safetensors.index.json"):
-        (tmp_path / f).write_bytes((v.model / f).read_bytes())
-    vlm = __import__("mlx_vlm").load(str(tmp_path))[0]
-    loaded = build_text_model(vlm, tmp_path, json.loads((tmp_path / "config.json").read_text()))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    mx.save_safetensors(str(drafter / "model.safetensors"), mixed, metadata={"format": "mlx"})
+    folder_config = json.loads((v.drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**folder_config, "quantization": qconfig["quantization"]}))
+
+    loaded = build_text_model(vlm, v.model, config, drafter_path=drafter)
     got = {p: (m.bits, m.group_size) for p, m in loaded.mtp.named_modules() if isinstance(m, nn.QuantizedLinear)}
     assert got["layers.0.mlp.down_proj"] == got["layers.0.self_attn.v_proj"] == (8, 32)
     assert got["layers.0.mlp.up_proj"] == got["fc"] == (4, 64)
     ours = dict(tree_flatten(loaded.mtp.parameters()))
     assert all(mx.array_equal(ours[k], a) for k, a in mixed.items())
+    plain = greedy_generate(loaded.model, PROMPT, 16)
+    assert mtp_greedy_generate(loaded.model, loaded.mtp, PROMPT, 16, k=2).tokens == plain.tokens
 
 
 def test_quantize_like_tells_biasless_modes_and_rejects_unknown():
@@ -154,3 +161,26 @@ def test_drafter_folder_that_is_not_one_is_a_clear_reason(variants_root):
     v, vlm, config, _ = _cell(variants_root, "none", "bf16")
     bundle = build_text_model(vlm, v.model, config, drafter_path=v.model)  # a VLM, not a qwen3_5_mtp folder
     assert bundle.mtp is None and "not an mlx-vlm qwen3_5_mtp drafter folder" in bundle.mtp_unavailable_reason
+
+
+def test_mllm_draft_requests_stay_on_a_text_path_that_drafts():
+    from vllm_mlx_mtp_routing.routing import text_path_gap
+
+    assert text_path_gap({"mllm_draft": True}) == "a host drafter was requested and the text path has no MTP head"
+    assert text_path_gap({"mllm_draft": True}, text_mtp=True) is None
+    assert text_path_gap({"mllm_draft": False}) is None
+    assert text_path_gap({"specprefill": True}, text_mtp=True) == "SpecPrefill was requested"
+
+
+def test_host_mtp_drafter_reads_the_host_engine():
+    from types import SimpleNamespace
+
+    from vllm_mlx_mtp_routing.host.engine_access import host_mtp_drafter
+
+    drafter = object()
+    engine = SimpleNamespace(_mllm_draft_model="/m-mtp", _mllm_draft_kind="mtp",
+                             _mllm_instance=SimpleNamespace(_draft_model=drafter))
+    assert host_mtp_drafter(engine) == ("/m-mtp", drafter)
+    assert host_mtp_drafter(SimpleNamespace(_mllm_draft_model="/m-mtp", _mllm_draft_kind="mtp")) == ("/m-mtp", None)
+    assert host_mtp_drafter(SimpleNamespace(_mllm_draft_model="/d", _mllm_draft_kind=None)) == (None, None)
+    assert host_mtp_drafter(object()) == (None, None)
