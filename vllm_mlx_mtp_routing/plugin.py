@@ -141,8 +141,8 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router = find_decorator(engine, RoutingEngine)
     if router is None:
         return None
-    from .text_engine.engine import TextEngine
     from .checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
+    from .text_engine.engine import TextEngine
     from .text_model import TextModelUnavailable, build_text_model
 
     router.tokenizer_for_text = info.tokenizer
