@@ -184,3 +184,15 @@ def test_host_mtp_drafter_reads_the_host_engine():
     assert host_mtp_drafter(SimpleNamespace(_mllm_draft_model="/m-mtp", _mllm_draft_kind="mtp")) == ("/m-mtp", None)
     assert host_mtp_drafter(SimpleNamespace(_mllm_draft_model="/d", _mllm_draft_kind=None)) == (None, None)
     assert host_mtp_drafter(object()) == (None, None)
+
+
+def test_checkpoint_variants_cli(variants_root, capsys):
+    from vllm_mlx_mtp_routing.testing import checkpoint_variants
+
+    root, source = variants_root
+    assert checkpoint_variants.main([str(source), str(root), "--layout", "drafter", "--precision", "8bit"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["serve_flags"] == ["--mllm-draft-model", out["drafter"], "--mllm-draft-kind", "mtp"]
+    assert json.loads((Path(out["drafter"]) / "config.json").read_text())["model_type"] == "qwen3_5_mtp"
+    with pytest.raises(SystemExit):
+        checkpoint_variants.main([str(source), str(root), "--precision", "3bit"])
