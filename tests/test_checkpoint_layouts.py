@@ -23,7 +23,7 @@ from vllm_mlx_mtp_routing.mtp import greedy_generate, mtp_greedy_generate
 from vllm_mlx_mtp_routing.testing.checkpoint_variants import PRECISIONS, variant
 from vllm_mlx_mtp_routing.text_model import build_text_model
 
-HEAD_LAYOUTS = ("subdir", "model-mtp", "main", "drafter")
+HEAD_LAYOUTS = ("subdir", "model-mtp", "mtp-file", "main", "drafter")
 PROMPT = [11, 200, 37, 400, 5, 981, 42, 7, 300]
 # quantization the conversion gives each precision: (bits, group size) of the head's linears
 BF16_LOGIT_RTOL = 0.1
@@ -59,7 +59,7 @@ def test_head_loads_equal_to_mlx_vlm_drafter_and_decodes_exactly(variants_root, 
     bundle = build_text_model(vlm, v.model, config, drafter=drafter, drafter_path=v.drafter)
     assert bundle.mtp is not None, bundle.mtp_unavailable_reason
     expected_source = {"subdir": "mtp/weights.safetensors", "model-mtp": "model-mtp.safetensors",
-                       "drafter": "--mllm-draft-model"}.get(layout, "safetensors")
+                       "mtp-file": "mtp.safetensors", "drafter": "--mllm-draft-model"}.get(layout, "safetensors")
     assert expected_source in bundle.mtp_source
 
     ours = dict(tree_flatten(bundle.mtp.parameters()))

@@ -9,6 +9,7 @@ loaded arrays shared, else the mlx-vlm qwen3_5_mtp folder read; see checkpoint_l
 MTP weights are looked for, in order, in
   1. mtp/weights.safetensors        (keys `mtp.*`, or bare keys)
   2. model-mtp.safetensors          (keys `mtp.*`, or bare keys)
+     mtp.safetensors                (the same; what mlx-lm's proposed --preserve-mtp writes)
   3. the main shards                (keys `mtp.*`, `language_model.mtp.*`, `model.language_model.mtp.*`,
                                      `model.mtp.*`; through model.safetensors.index.json, else
                                      model.safetensors)
@@ -56,6 +57,8 @@ from .mtp import MTPHead, resolve_hidden_state_mode
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5",)  # prefixes: qwen3_5, qwen3_5_text, qwen3_5_moe, ...
+# Files that hold only the head: vllm-mlx's tooling (first two), mlx-lm's proposed --preserve-mtp (last).
+MTP_FILES = ("mtp/weights.safetensors", "model-mtp.safetensors", "mtp.safetensors")
 MTP_KEY_PREFIXES = ("model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
 MTP_NORM_SUFFIXES = (
     "input_layernorm.weight",
@@ -277,7 +280,7 @@ def load_mtp_weights(model_path: Path) -> MTPWeights | None:
     model_path = Path(model_path)
     manifest: dict = {}
     hf_naming = False
-    for rel in ("mtp/weights.safetensors", "model-mtp.safetensors"):
+    for rel in MTP_FILES:
         path = model_path / rel
         if path.exists():
             weights, meta = _read_dedicated(path)

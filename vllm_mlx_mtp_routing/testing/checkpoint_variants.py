@@ -11,8 +11,9 @@ Built from any MLX-layout Qwen3.5 VLM (the tiny builder's output or the committe
      the converted model carries no MTP tensors and the drafter folder (`model_type: qwen3_5_mtp`) is
      what `--mllm-draft-model PATH --mllm-draft-kind mtp` takes.
   3. `place_mtp` puts the drafter's tensors (bf16 or quantized, as the splitter wrote them) where the
-     other tools do: `mtp/weights.safetensors`, `model-mtp.safetensors`, or `mtp.*` keys in the main
-     shard beside the backbone.
+     other tools do: `mtp/weights.safetensors`, `model-mtp.safetensors` (vllm-mlx's tooling),
+     `mtp.safetensors` (mlx-lm's proposed --preserve-mtp, layout "mtp-file"), or `mtp.*` keys in the
+     main shard beside the backbone.
 
 `variant(root, layout, precision)` builds one (layout, precision) cell once per `root`.
 """
@@ -28,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-LAYOUTS = ("subdir", "model-mtp", "main", "drafter", "none")
+LAYOUTS = ("subdir", "model-mtp", "mtp-file", "main", "drafter", "none")
 # precision -> mlx-vlm convert arguments
 PRECISIONS: dict[str, dict] = {
     "bf16": {},
@@ -62,7 +63,7 @@ class Variant:
 def _mtp_tensors(src: Path) -> dict:
     import mlx.core as mx
 
-    for rel in ("mtp/weights.safetensors", "model-mtp.safetensors"):
+    for rel in ("mtp/weights.safetensors", "model-mtp.safetensors", "mtp.safetensors"):
         if (src / rel).exists():
             return {k.removeprefix("mtp."): v for k, v in mx.load(str(src / rel)).items()}
     return {k.removeprefix("language_model.mtp."): v for k, v in mx.load(str(src / "model.safetensors")).items()
@@ -137,8 +138,9 @@ def place_mtp(model: Path, drafter: Path, layout: str) -> None:
     if layout == "subdir":
         (model / "mtp").mkdir(exist_ok=True)
         mx.save_safetensors(str(model / "mtp" / "weights.safetensors"), tensors, metadata={"format": "mlx"})
-    elif layout == "model-mtp":
-        mx.save_safetensors(str(model / "model-mtp.safetensors"), tensors, metadata={"format": "mlx"})
+    elif layout in ("model-mtp", "mtp-file"):
+        name = "model-mtp.safetensors" if layout == "model-mtp" else "mtp.safetensors"
+        mx.save_safetensors(str(model / name), tensors, metadata={"format": "mlx"})
     elif layout == "main":
         index_path = model / "model.safetensors.index.json"
         index = json.loads(index_path.read_text())
