@@ -27,7 +27,10 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path) -> None
     flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm")
     with serve(TRAINED, *flags, "--enable-mtp", log_dir=tmp_path) as server:
         with_mtp = greedy(server)
-        mtp = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
+        status = httpx.get(f"{server.url}/v1/status").json()
+        mtp = status["plugins"]["mtp-routing"]["mtp"]
+        # the host's own status block tells the same story: MTP runs on the text path
+        assert status["mtp"]["path"] == "text" and status["mtp"]["drafted"] == mtp["drafted"]
     with serve(TRAINED, *flags, "--enable-mtp", "--mtp-schedule", "always", log_dir=tmp_path) as server:
         always = greedy(server)
         fixed = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]

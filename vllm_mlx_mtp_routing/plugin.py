@@ -96,8 +96,12 @@ def vllm_mlx_wrap_engine(engine: Any, context: EngineContext) -> Any:
     if not getattr(engine, "is_mllm", False):
         logger.info("mtp-routing: %s is not served as a VLM (--mllm); nothing to route", getattr(engine, "model_name", "model"))
         return None
+    drafter_path, _ = engine_access.host_mtp_drafter(engine)
+    if drafter_path is not None:
+        logger.info("mtp-routing: the text path drafts with the host's MTP drafter %s (--mllm-draft-model)", drafter_path)
     settings = RoutingSettings(
-        enable_mtp=bool(engine_access.scheduler_setting(engine, "enable_mtp", False)),
+        # A host MTP drafter is a request for speculative decoding: the text path uses the same one.
+        enable_mtp=bool(engine_access.scheduler_setting(engine, "enable_mtp", False)) or drafter_path is not None,
         mtp_num_draft_tokens=int(engine_access.scheduler_setting(engine, "mtp_num_draft_tokens", 1) or 1),
         max_num_seqs=int(engine_access.scheduler_setting(engine, "max_num_seqs", 16)),
         prefill_step_size=int(engine_access.scheduler_setting(engine, "prefill_step_size", 2048)),
@@ -161,14 +165,19 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router = find_decorator(engine, RoutingEngine)
     if router is None:
         return None
+    from .checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
     from .text_engine.engine import TextEngine
     from .text_model import TextModelUnavailable, build_text_model
 
     router.tokenizer_for_text = info.tokenizer
     router.tokens_per_media_item = engine_access.tokens_per_media_item(router.wrapped)
     router.context_tokens = context_tokens(info.config)
+    drafter_path, drafter = engine_access.host_mtp_drafter(router.wrapped)
     try:
-        bundle = build_text_model(info.model, Path(info.model_path), info.config, enable_mtp=router.settings.enable_mtp)
+        bundle = build_text_model(
+            info.model, Path(info.model_path), info.config, enable_mtp=router.settings.enable_mtp,
+            drafter=drafter, drafter_path=Path(drafter_path) if drafter_path else None,
+        )
     except TextModelUnavailable as exc:
         router.admission = _admission_controller(info, router)
         router.disable_text_path(str(exc))
@@ -187,21 +196,25 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
             router.settings.mtp_num_draft_tokens, STATE.mtp_schedule, STATE.mtp_max_batch_size or "unlimited",
         )
     elif router.settings.enable_mtp:
-        logger.info("mtp-routing: --enable-mtp, but the text path runs without MTP: %s", bundle.mtp_unavailable_reason)
+        logger.warning(
+            "mtp-routing: MTP requested, but %s serves without MTP: %s. To get MTP, %s",
+            Path(info.model_path).name, bundle.mtp_unavailable_reason, NO_MTP_HINT,
+        )
+        router.mtp_decode = MTPUnavailable(str(bundle.mtp_unavailable_reason))
     from .text_engine.prefill_budget import calibrate
 
     vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
     router.prefill_budget = calibrate(
         bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
     )
-    prefix_cache = _prefix_cache(bundle.model, router)
+    prefix_cache = _prefix_cache(bundle.model, router, with_head=bundle.mtp is not None)
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
         max_num_seqs=router.settings.max_num_seqs,
         prefill_step_size=router.settings.prefill_step_size,
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
-        decode=router.mtp_decode,
+        decode=router.mtp_decode if bundle.mtp is not None else None,
         prefix_cache=prefix_cache,
     )
     router.prefill_budget.apply(text_engine.scheduler)
@@ -212,14 +225,14 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     return router.start_text_path(text_engine)
 
 
-def _prefix_cache(model: Any, router: RoutingEngine) -> Any:
+def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
     settings = STATE.prefix_cache or prefix_settings.from_args(None)
     if not settings.enabled or settings.budget_bytes <= 0:
         logger.info("mtp-routing: text-path prefix cache off (%s)", "--disable-prefix-cache" if not settings.enabled else "budget 0")
         return None
     from .prefix_cache.cache import PrefixCache
 
-    cache = PrefixCache(model, settings.budget_bytes, with_head=router.mtp_decode is not None)
+    cache = PrefixCache(model, settings.budget_bytes, with_head=with_head)
     from .host import usage
     from .prefix_cache.metrics import register_metrics
 

@@ -54,16 +54,21 @@ def has_media(messages: list[dict[str, Any]] | None, options: dict[str, Any]) ->
     return any(options.get(k) for k in MEDIA_OPTIONS) or _media_parts(messages) > 0
 
 
-def text_path_gap(options: dict[str, Any]) -> str | None:
-    """Why the text path cannot serve these options exactly as the host would (None: it can)."""
+def text_path_gap(options: dict[str, Any], *, text_mtp: bool = False) -> str | None:
+    """Why the text path cannot serve these options exactly as the host would (None: it can).
+
+    `text_mtp`: the text path drafts with an MTP head (the host's own drafter when one is
+    configured), so a request asking for the host's drafter (`mllm_draft`) is served there."""
     if options.get("logits_processors"):
         return "logits processors (logit_bias, JSON mode, thinking budget)"
     if float(options.get("presence_penalty") or 0.0) != 0.0:
         return "presence_penalty"
     if float(options.get("repetition_penalty") or 1.0) != 1.0:
         return "repetition_penalty"
-    if options.get("mllm_draft") or options.get("specprefill"):
-        return "a host drafter or SpecPrefill was requested"
+    if options.get("specprefill"):
+        return "SpecPrefill was requested"
+    if options.get("mllm_draft") and not text_mtp:
+        return "a host drafter was requested and the text path has no MTP head"
     return None
 
 
@@ -160,10 +165,14 @@ class RoutingEngine(EngineDecorator):
 
     # -- routing -----------------------------------------------------------------------------
 
+    @property
+    def text_path_drafts(self) -> bool:
+        return getattr(self.mtp_decode, "k", 0) > 0  # an MTPDecode, not a status-only placeholder
+
     def _route(self, messages: list[dict[str, Any]] | None, options: dict[str, Any]) -> str:
         if has_media(messages, options):
             route = "media"
-        elif self.text_engine is None or text_path_gap(options) is not None:
+        elif self.text_engine is None or text_path_gap(options, text_mtp=self.text_path_drafts) is not None:
             route = "fallback"
         else:
             route = "text"
@@ -355,6 +364,10 @@ class RoutingEngine(EngineDecorator):
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + text["waiting"]
         if self.admission is not None:
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + self.admission.queued
+        if self.settings.enable_mtp or self.text_path_drafts:
+            # The host's own /v1/status `mtp` block: MTP runs on the text path, never on the mlx-vlm path here.
+            text_mtp = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}
+            stats["mtp"] = {**text_mtp, "path": "text", "mlx_vlm_path": "off (its MTP ignores images)"}
         return stats
 
     def clear_runtime_caches(self) -> dict[str, Any] | None:

@@ -4,13 +4,17 @@ plus the checkpoint's MTP head.
 Zero-copy: the TextModel's parameters are the very `mx.array` objects of the VLM's
 `language_model` (checked by identity, `assert_zero_copy`); the only new memory is the MTP head.
 
+With the host's `--mllm-draft-model PATH --mllm-draft-kind mtp`, the head is that drafter (its
+loaded arrays shared, else the mlx-vlm qwen3_5_mtp folder read; see checkpoint_layouts). Otherwise
 MTP weights are looked for, in order, in
   1. mtp/weights.safetensors        (keys `mtp.*`, or bare keys)
   2. model-mtp.safetensors          (keys `mtp.*`, or bare keys)
+     mtp.safetensors                (the same; what mlx-lm's proposed --preserve-mtp writes)
   3. the main shards                (keys `mtp.*`, `language_model.mtp.*`, `model.language_model.mtp.*`,
                                      `model.mtp.*`; through model.safetensors.index.json, else
                                      model.safetensors)
 and only the MTP tensors are read (mx.load is lazy: only the picked arrays are materialised).
+Quantized heads take each module's group size and bits from its tensors (mixed precision included).
 
 RMSNorm convention. Qwen3.5's HF checkpoints store zero-centred norm weights (gamma - 1: the
 module computes x * (1 + w)); MLX stores gamma. The rule, one decision per MTP source:
@@ -40,11 +44,21 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from .mlx_lm_internals import TextModel, TextModelArgs
 
+from .checkpoint_layouts import (
+    DRAFTER_MODEL_TYPE,
+    drafter_weights,
+    is_drafter_folder,
+    quantize_like,
+    read_config,
+    read_drafter_folder,
+)
 from .mtp import MTPHead, resolve_hidden_state_mode
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5",)  # prefixes: qwen3_5, qwen3_5_text, qwen3_5_moe, ...
+# Files that hold only the head: vllm-mlx's tooling (first two), mlx-lm's proposed --preserve-mtp (last).
+MTP_FILES = ("mtp/weights.safetensors", "model-mtp.safetensors", "mtp.safetensors")
 MTP_KEY_PREFIXES = ("model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
 MTP_NORM_SUFFIXES = (
     "input_layernorm.weight",
@@ -266,7 +280,7 @@ def load_mtp_weights(model_path: Path) -> MTPWeights | None:
     model_path = Path(model_path)
     manifest: dict = {}
     hf_naming = False
-    for rel in ("mtp/weights.safetensors", "model-mtp.safetensors"):
+    for rel in MTP_FILES:
         path = model_path / rel
         if path.exists():
             weights, meta = _read_dedicated(path)
@@ -285,38 +299,61 @@ def load_mtp_weights(model_path: Path) -> MTPWeights | None:
     return MTPWeights(_merge_experts(weights), source, shift, rule)
 
 
-def _mtp_quantization(head: MTPHead, weights: dict[str, mx.array]) -> None:
-    """Quantize the head's modules that arrive quantized; group size and bits from the shapes."""
+def _mtp_layers(text_config: dict, config: dict) -> int:
+    return int(text_config.get("mtp_num_hidden_layers") or text_config.get("num_nextn_predict_layers")
+               or config.get("num_nextn_predict_layers") or 0)
 
-    def predicate(path: str, module: nn.Module):
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        in_dims = module.weight.shape[-1]
-        packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
-        return {"group_size": in_dims // scales.shape[-1], "bits": packed.shape[-1] * 32 // in_dims}
 
-    if any(k.endswith(".scales") for k in weights):
-        nn.quantize(head, class_predicate=predicate)
+def _host_drafter_weights(drafter: Any, drafter_path: Path | None) -> tuple[MTPWeights, dict, int]:
+    """The host's `--mllm-draft-model` head: its loaded mlx-vlm drafter's own arrays when given,
+    else the folder read from disk. Returns (weights, quantization config, layers)."""
+    folder = read_config(drafter_path) if drafter_path is not None else {}
+    drafter_text = folder.get("text_config") or {}
+    if drafter is not None:
+        weights = drafter_weights(drafter)
+        where = f"the host's --mllm-draft-model ({drafter_path or type(drafter).__name__}, shared)"
+        loaded = MTPWeights(_merge_experts(weights), where, False, "mlx-vlm drafter (MLX gamma)")
+        config_obj = getattr(drafter, "config", None)
+        layers = len(getattr(drafter, "layers", ()))
+    else:
+        if drafter_path is None or not is_drafter_folder(drafter_path):
+            raise ValueError(f"{drafter_path} is not an mlx-vlm {DRAFTER_MODEL_TYPE} drafter folder")
+        weights, shifted, rule = read_drafter_folder(drafter_path)
+        loaded = MTPWeights(_merge_experts(weights), f"--mllm-draft-model {drafter_path}", shifted, rule)
+        config_obj = None
+        layers = _mtp_layers(drafter_text, folder)
+    quantization = folder.get("quantization") or getattr(config_obj, "quantization", None) or {}
+    return loaded, quantization, layers
 
 
 def _build_mtp_head(
-    text_model: TextModel, text_config: dict, config: dict, model_path: Path
+    text_model: TextModel,
+    text_config: dict,
+    config: dict,
+    model_path: Path,
+    drafter: Any = None,
+    drafter_path: Path | None = None,
 ) -> tuple[MTPHead | None, MTPWeights | None, str | None]:
-    layers = int(text_config.get("mtp_num_hidden_layers") or text_config.get("num_nextn_predict_layers")
-                 or config.get("num_nextn_predict_layers") or 0)
-    if layers <= 0:
-        return None, None, "config declares no MTP layers"
     if text_config.get("mtp_use_dedicated_embeddings"):
         return None, None, "dedicated MTP embeddings are not supported"
     try:
-        loaded = load_mtp_weights(model_path)
+        if drafter is not None or drafter_path is not None:
+            loaded, quantization, layers = _host_drafter_weights(drafter, drafter_path)
+        else:
+            layers = _mtp_layers(text_config, config)
+            if layers <= 0:
+                return None, None, "config declares no MTP layers"
+            loaded, quantization = load_mtp_weights(model_path), config.get("quantization") or {}
     except (OSError, ValueError) as e:
         return None, None, f"cannot read MTP weights: {e}"
     if loaded is None:
         return None, None, "no MTP weights in the checkpoint"
+    if layers <= 0:
+        return None, loaded, f"MTP weights from {loaded.source} have no decoder layer"
     head = MTPHead(text_model.args, layers, resolve_hidden_state_mode(config)).bind(text_model)
     try:
-        _mtp_quantization(head, loaded.weights)
+        quantize_like(head, loaded.weights, quantization)
+        # load_weights stores the given arrays: a host drafter's head is shared, not copied.
         head.load_weights(list(loaded.weights.items()), strict=True)
     except ValueError as e:
         return None, loaded, f"MTP weights from {loaded.source} do not fit the head: {e}"
@@ -330,10 +367,19 @@ def _build_mtp_head(
 
 
 def build_text_model(
-    vlm_model: Any, model_path: Path, config: dict, *, enable_mtp: bool = True
+    vlm_model: Any,
+    model_path: Path,
+    config: dict,
+    *,
+    enable_mtp: bool = True,
+    drafter: Any = None,
+    drafter_path: Path | None = None,
 ) -> TextModelBundle:
     """Zero-copy TextModel over the VLM's language backbone, plus the MTP head if the checkpoint
     has one. Raises TextModelUnavailable when the text path cannot be served by it.
+
+    `drafter` / `drafter_path`: the host's `--mllm-draft-model` (its loaded mlx-vlm drafter and
+    folder); when given, the head comes from there rather than from the checkpoint.
 
     extra_bytes is the growth of mx.get_active_memory() across the build (process-wide: other
     threads allocating meanwhile would show up in it).
@@ -354,7 +400,7 @@ def build_text_model(
     model, shared = _build_backbone(lm, text_config)
     head, loaded, reason = (None, None, "MTP not enabled")
     if enable_mtp:
-        head, loaded, reason = _build_mtp_head(model, text_config, config, model_path)
+        head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
     extra = mx.get_active_memory() - before
     mtp_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters())) if head else 0
 

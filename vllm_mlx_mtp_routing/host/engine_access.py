@@ -13,7 +13,8 @@ from vllm_mlx.engine.base import GenerationOutput
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
 __all__ = [
-    "GenerationOutput", "clean_output_text", "disable_mllm_mtp", "render_chat_prompt", "scheduler_setting", "tokens_per_media_item",
+    "GenerationOutput", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "render_chat_prompt", "scheduler_setting",
+    "tokens_per_media_item",
 ]
 
 
@@ -31,6 +32,16 @@ def disable_mllm_mtp(engine: Any) -> bool:
         return False
     engine._scheduler_config = dataclasses.replace(config, enable_mtp=False)
     return True
+
+
+def host_mtp_drafter(engine: Any) -> tuple[str | None, Any]:
+    """The host's ``--mllm-draft-model PATH --mllm-draft-kind mtp``: (PATH, the drafter its mlx-vlm model
+    loaded, or None before load). (None, None) without one. vllm-mlx 0.6.0 keeps them in BatchedEngine's
+    ``_mllm_draft_model`` / ``_mllm_draft_kind`` and ``MLXMultimodalLM._draft_model``."""
+    path = getattr(engine, "_mllm_draft_model", None)
+    if not path or getattr(engine, "_mllm_draft_kind", None) != "mtp":
+        return None, None
+    return str(path), getattr(getattr(engine, "_mllm_instance", None), "_draft_model", None)
 
 
 def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:

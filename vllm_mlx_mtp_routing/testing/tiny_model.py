@@ -22,6 +22,9 @@ MTP placements (keys relative to the head are "mtp.*"):
   main       language_model.mtp.* inside model.safetensors and its index. build_text_model finds
              them through the index but drops them; inject_mtp_support never reads them.
   none       no MTP weights (config still declares mtp_num_hidden_layers).
+
+Quantized (8-bit, 4-bit, mixed 4/8-bit) and raw-HF checkpoints, and mlx-vlm's separate drafter
+folder, are made from this one by `checkpoint_variants` with mlx-vlm's own convert and MTP split.
 """
 
 from __future__ import annotations
