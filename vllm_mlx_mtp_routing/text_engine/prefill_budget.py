@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 MIN_CHUNK = 16
 IDLE_STEP_S = 0.25
-PROBE_SMALL = 32
-PROBE_LARGE = 128
+# Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens. Where prefill is slow (a quantized model on
+# MLX's CPU backend: ~64 ms a token) larger probes cost the start-up tens of seconds.
+PROBE_SMALL = 8
+PROBE_LARGE = 24
 DEFAULT_RATIO = 3.0
 
 
@@ -92,9 +94,9 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         forward(model.make_cache(), ids[:, :n])
 
     prefill(PROBE_SMALL)  # warm-up per shape: first-call compilation and buffer allocation
-    small = _timed(lambda: prefill(PROBE_SMALL), 3)
+    small = _timed(lambda: prefill(PROBE_SMALL), 2)
     prefill(PROBE_LARGE)
-    large = _timed(lambda: prefill(PROBE_LARGE), 3)
+    large = _timed(lambda: prefill(PROBE_LARGE), 2)
     cache = model.make_cache()
     forward(cache, ids[:, :PROBE_SMALL])
     position = [PROBE_SMALL]
@@ -104,7 +106,7 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         position[0] += 1
 
     decode()
-    decode_s = _timed(decode, 7)
+    decode_s = _timed(decode, 5)
     per_token = max((large - small) / (PROBE_LARGE - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)
     target = ratio * decode_s
