@@ -44,6 +44,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from vllm_mlx_mtp_routing.prefix_cache.boundaries import common_tokens  # noqa: E402
 from vllm_mlx_mtp_routing.testing import server as testing_server  # noqa: E402
 
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
@@ -108,15 +109,6 @@ def render_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def tool_result(conv: int, turn: int) -> str:
     return f"src/pkg/mod{conv}_{turn}.py:\n" + CODE.replace("parse_header", f"parse_{conv}_{turn}") * 2
 
@@ -152,32 +144,12 @@ def conversation_turns(conv: int, turns: int, system: str) -> list[list[dict]]:
 @contextlib.contextmanager
 def mlx_lm_server(python: str, model: Path, log_dir: Path, timeout: float = 300.0) -> Iterator[testing_server.Server]:
     port = testing_server.free_port()
-    log_path = log_dir / f"mlx-lm-{port}.log"
     cmd = [python, "-m", "mlx_lm.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTHONPATH", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    srv = testing_server.Server(url=f"http://127.0.0.1:{port}", model=str(model), proc=proc, log_path=log_path)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlx-lm server exited with {proc.returncode}:\n{srv.log()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{srv.url}/v1/models", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlx-lm server did not start in {timeout}s")
-            time.sleep(0.3)
+    with testing_server.run_server(cmd, port, model=str(model), log_path=log_dir / f"mlx-lm-{port}.log", env=env,
+                                   ready_path="/v1/models", startup_timeout=timeout) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     system = system_prompt(a.system_tokens, tokenizer)
     convs = [conversation_turns(c, a.turns, system) for c in range(a.conversations)]
     ids = [[render_ids(tokenizer, m) for m in c] for c in convs]
-    changed = [[len(c[t]) - (common_prefix(c[t], c[t - 1]) if t else 0) for c in ids] for t in range(a.turns)]
+    changed = [[len(c[t]) - (common_tokens(c[t], c[t - 1]) if t else 0) for c in ids] for t in range(a.turns)]
     log_dir = Path(tempfile.mkdtemp(prefix="agentic-bench-"))
     base = ["--continuous-batching", "--mllm"]
     results: dict[str, list[list[dict]]] = {s: [] for s in servers}

@@ -37,7 +37,7 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def _common_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+def common_tokens(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -71,19 +71,19 @@ def snapshot_positions(
         if len(messages) > len(system):  # a prompt that is all system has only its end to keep
             prefix = _probe_prefix(render, [*system, {"role": "user", "content": ""}], len(system))
             if prefix is not None:
-                out.append((_common_tokens(encode(prefix), prompt_ids), "system"))
+                out.append((common_tokens(encode(prefix), prompt_ids), "system"))
         last = max((i for i, m in enumerate(messages) if m.get("role") in ("user", "tool")), default=None)
         if last is not None and last > len(system):
             prefix = _probe_prefix(render, messages, last)
             if prefix is not None:
-                out.append((_common_tokens(encode(prefix), prompt_ids), "message"))
+                out.append((common_tokens(encode(prefix), prompt_ids), "message"))
         # The next turn adds a reply and then a user message or a tool result; Qwen3.5 renders the
         # replies since the last user message with their think blocks until a user message follows.
         for follow in ("user", "tool"):
             nxt = render([*messages, {"role": "assistant", "content": _PROBES[0]}, {"role": follow, "content": _PROBES[1]}])
             prefix = _common_prefix(prompt, nxt)
             if prefix and prefix != prompt:
-                out.append((_common_tokens(encode(prefix), prompt_ids), "prompt"))
+                out.append((common_tokens(encode(prefix), prompt_ids), "prompt"))
     except Exception as exc:  # a template that cannot render a probe: no mid-prompt snapshots
         logger.debug("prefix cache: no snapshot positions (%s: %s)", type(exc).__name__, exc)
         return []

@@ -49,19 +49,29 @@ def serve(
     """``command`` replaces the ``vllm-mlx`` console script (e.g. ``[python, "-c", launcher]``);
     ``env`` is merged over this process's environment."""
     port = free_port()
-    log_path = log_dir / f"server-{port}.log"
     cmd = [*(command or [VLLM_MLX]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    with run_server(cmd, port, model=str(model), log_path=log_dir / f"server-{port}.log", env=full_env,
+                    ready_path="/health", startup_timeout=startup_timeout) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def run_server(
+    cmd: list[str], port: int, *, model: str, log_path: Path, env: dict[str, str], ready_path: str,
+    startup_timeout: float = 180.0,
+) -> Iterator[Server]:
+    """Any HTTP server process on 127.0.0.1:``port``: ready once ``ready_path`` answers 200, stopped on exit."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=full_env)
-    server = Server(url=f"http://127.0.0.1:{port}", model=str(model), proc=proc, log_path=log_path)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    server = Server(url=f"http://127.0.0.1:{port}", model=model, proc=proc, log_path=log_path)
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
             try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
