@@ -98,3 +98,15 @@ def test_agentic_bench_workload_and_summary() -> None:
     assert p["prefilled_tokens"] == [52] and p["new_tokens"] == [50] and p["changed_tokens"] == [52]
     assert p["prefilled_vs_changed"] == [1.0]
     assert p["ttft_vs_host"] == 0.25 and p["ttft_vs_mlx_lm"] == 0.5
+
+
+def test_prefill_gdn_times_both_recurrences(tmp_path: Path) -> None:
+    import prefill_gdn as PG
+
+    out = tmp_path / "pg.json"
+    assert PG.main(["--tokens", "16", "--batches", "1,2", "--repeats", "1", "--chunk", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["batch"]) for r in rows] == [(16, 1), (16, 2)]
+    for r in rows:
+        assert r["loop_s"] > 0 and r["chunked_s"] > 0 and r["speedup"] == pytest.approx(r["loop_s"] / r["chunked_s"], rel=0.02)
+        assert r["last_logits_rel_diff"] < 0.1  # the same math: a chunking bug would be far off
