@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,15 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "training"))
 
+from vllm_mlx_mtp_routing.text_engine.prefill_budget import median_seconds  # noqa: E402
+
 
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up: first-call compilation and allocation for this shape
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    return median_seconds(fn, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,7 +70,7 @@ class PrefillBudget:
         return {**asdict(self), "target_s": self.target_s}
 
 
-def _timed(fn: Any, repeats: int) -> float:
+def median_seconds(fn: Any, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         tic = time.perf_counter()
@@ -94,9 +94,9 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         forward(model.make_cache(), ids[:, :n])
 
     prefill(PROBE_SMALL)  # warm-up per shape: first-call compilation and buffer allocation
-    small = _timed(lambda: prefill(PROBE_SMALL), 2)
+    small = median_seconds(lambda: prefill(PROBE_SMALL), 2)
     prefill(PROBE_LARGE)
-    large = _timed(lambda: prefill(PROBE_LARGE), 2)
+    large = median_seconds(lambda: prefill(PROBE_LARGE), 2)
     cache = model.make_cache()
     forward(cache, ids[:, :PROBE_SMALL])
     position = [PROBE_SMALL]
@@ -106,7 +106,7 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         position[0] += 1
 
     decode()
-    decode_s = _timed(decode, 5)
+    decode_s = median_seconds(decode, 5)
     per_token = max((large - small) / (PROBE_LARGE - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)
     target = ratio * decode_s
