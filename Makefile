@@ -7,7 +7,9 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup demo test bench-quick
 
-$(STAMP): pyproject.toml requirements/linux-host.txt requirements/linux-nodeps.txt requirements/test.txt
+# The bootstrap .pth is copied into site-packages at install time: a change to it needs a reinstall.
+$(STAMP): pyproject.toml requirements/linux-host.txt requirements/linux-nodeps.txt requirements/test.txt \
+		vllm_mlx_mtp_routing/host/vllm_mlx_mtp_routing_bootstrap.pth
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements/linux-host.txt -r requirements/test.txt
