@@ -80,12 +80,17 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
             assert stats["prefilled_tokens"] == sum(u.prompt_tokens - 1 for u in (ua, ub, uc, ud)) - sum(cached)
             # Anthropic (no tools: another system block): the reused tokens as cache_read_input_tokens
             ac = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-            reads = [
+            usages = [
                 ac.messages.create(model=server.model, system=SYSTEM, max_tokens=5,
-                                   messages=[{"role": "user", "content": q}]).usage.cache_read_input_tokens
+                                   messages=[{"role": "user", "content": q}]).usage
                 for q in ("Summarise the repo.", "Name one test.")
             ]
+            reads = [u.cache_read_input_tokens for u in usages]
             assert reads[0] == 0 and reads[1] > 100
+            # as Anthropic counts: input_tokens + cache_read_input_tokens is the whole prompt (the two prompts
+            # differ only in a short user message), the reused part is not counted twice
+            assert abs(usages[1].input_tokens + reads[1] - usages[0].input_tokens) <= 4
+            assert usages[1].input_tokens < usages[0].input_tokens - 100
             admission = _status(server)["admission"]
             assert admission["running"] == 0 and admission["prefix_cache_bytes"] == _status(server)["prefix_cache"]["bytes"]
     assert outputs["cached"] == outputs["uncached"] == outputs["mtp"]

@@ -5,15 +5,16 @@ The host builds ``Usage(prompt_tokens=..., ...)`` (OpenAI, ``vllm_mlx.api.models
 cached tokens. The text path records a request's reused tokens on the plugin's per-request
 context (``asgi.current()``, shared by every task the request's handler starts), and the two usage
 models read it when they are built: OpenAI gains ``prompt_tokens_details.cached_tokens`` (as OpenAI and mlx-lm's server
-report it), Anthropic's existing ``cache_read_input_tokens`` is filled. Requests the text path did
-not serve leave both at None.
+report it), Anthropic's existing ``cache_read_input_tokens`` is filled and, as Anthropic counts them,
+taken out of ``input_tokens`` (input + cache reads = the prompt). Requests the text path did not serve
+leave both at None.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 from pydantic.fields import FieldInfo
 
 from . import asgi
@@ -65,7 +66,29 @@ def install() -> None:
             if isinstance(value, type) and issubclass(value, BaseModel) and value is not base:
                 if any(_mentions(f.annotation, base) for f in value.model_fields.values()):
                     value.model_rebuild(force=True)
+    _count_cache_reads_apart(anthropic_models.AnthropicUsage)
     _installed = True
+
+
+def _count_cache_reads_apart(base: type[BaseModel]) -> None:
+    """Anthropic's ``input_tokens`` excludes ``cache_read_input_tokens``; the host fills it with the whole
+    prompt. A subclass with that rule replaces the name where the host builds non-streamed usage
+    (vllm-mlx 0.6.0: ``server`` and ``api.anthropic_adapter`` import it by name); an instance of it is
+    still an ``AnthropicUsage`` wherever one is expected."""
+    from vllm_mlx import server
+    from vllm_mlx.api import anthropic_adapter, anthropic_models
+
+    class AnthropicUsage(base):  # type: ignore[misc, valid-type]
+        @model_validator(mode="after")
+        def _reads_apart(self) -> Any:
+            reads = getattr(self, "cache_read_input_tokens", None)
+            if reads:
+                self.input_tokens = max(0, self.input_tokens - reads)
+            return self
+
+    for module in (server, anthropic_adapter, anthropic_models):
+        if getattr(module, "AnthropicUsage", None) is base:
+            module.AnthropicUsage = AnthropicUsage
 
 
 def _mentions(annotation: Any, cls: type) -> bool:
