@@ -36,3 +36,30 @@ def tiny_vlm_fp32(tiny_vlm_factory: Callable[..., Path]) -> Path:
 def tiny_vlm_bf16(tiny_vlm_factory: Callable[..., Path]) -> Path:
     """bf16 tiny Qwen3.5 VLM (the fp32 weights rounded), MTP head in mtp/weights.safetensors."""
     return tiny_vlm_factory("bfloat16", "subdir")
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tiny_vlm_fp32: Path):
+    """(the host's mlx-lm TextModel built from the fp32 tiny VLM, without MTP; its tokenizer), per test module."""
+    from mlx_vlm import load
+    from vllm_mlx.text_model_from_vlm import build_text_model
+
+    vlm, processor = load(str(tiny_vlm_fp32))
+    model = build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False)
+    assert model is not None
+    return model, processor.tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_vlm_fp32: Path):
+    """(the plugin's TextBundle from the fp32 tiny VLM, MTP head loaded; its tokenizer), per test module."""
+    import json
+
+    from mlx_vlm import load
+
+    from vllm_mlx_mtp_routing.text_model import build_text_model
+
+    vlm, processor = load(str(tiny_vlm_fp32))
+    bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
+    assert bundle.mtp is not None
+    return bundle, processor.tokenizer

@@ -9,7 +9,6 @@ to decoding without MTP.
 
 from __future__ import annotations
 
-import json
 import math
 
 import mlx.core as mx
@@ -21,21 +20,10 @@ from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
-from vllm_mlx_mtp_routing.text_model import build_text_model
 
 PREFILL = 16
 LENGTHS = [1, 5, 17, 40]  # a one-token prompt (no head pair at its first step), chunked prompts
 MAX_TOKENS = [14, 11, 16, 12]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_vlm_fp32):
-    from mlx_vlm import load
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
-    assert bundle.mtp is not None
-    return bundle, processor.tokenizer
 
 
 def _prompts(lengths, seed=0):

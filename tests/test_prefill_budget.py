@@ -9,15 +9,6 @@ from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, Te
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import MIN_CHUNK, calibrate
 
 
-@pytest.fixture(scope="module")
-def tiny_text(tiny_vlm_fp32):
-    from mlx_vlm import load
-    from vllm_mlx.text_model_from_vlm import build_text_model
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    return build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False), processor.tokenizer
-
-
 def _run(model, tok, *, time_s, step_size=256):
     sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=step_size)
     sched.prefill_chunk = 16

@@ -7,30 +7,17 @@ hit (its drafts after a hit equal its drafts without one).
 
 from __future__ import annotations
 
-import json
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
-from vllm_mlx_mtp_routing.text_model import build_text_model
 
 PREFILL = 16  # prompts span several chunks; snapshot positions fall inside chunks
 MB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_vlm_fp32):
-    from mlx_vlm import load
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
-    assert bundle.mtp is not None
-    return bundle, processor.tokenizer
 
 
 def _tokens(n: int, seed: int) -> list[int]:

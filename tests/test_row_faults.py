@@ -13,15 +13,6 @@ from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, Te
 from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
 
 
-@pytest.fixture(scope="module")
-def tiny_text(tiny_vlm_fp32):
-    from mlx_vlm import load
-    from vllm_mlx.text_model_from_vlm import build_text_model
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    return build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False), processor.tokenizer
-
-
 def _drain(sched: BatchScheduler) -> dict[str, list]:
     outs: dict[str, list] = {}
     while sched.has_work():

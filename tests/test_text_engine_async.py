@@ -21,15 +21,6 @@ POISON_PREFILL = 3999  # a prompt holding this token fails in prefill
 POISON_DECODE = 3998  # a batch feeding this token fails in decode
 
 
-@pytest.fixture(scope="module")
-def tiny_text(tiny_vlm_fp32):
-    from mlx_vlm import load
-    from vllm_mlx.text_model_from_vlm import build_text_model
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    return build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False), processor.tokenizer
-
-
 class FaultyModel:
     """Wraps the real model; raises when it sees a poison token (a stand-in for a failing forward)."""
 

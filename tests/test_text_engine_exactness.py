@@ -17,17 +17,6 @@ from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 PREFILL = 16  # small, so prompts span several chunks and chunk boundaries are exercised
 
 
-@pytest.fixture(scope="module")
-def tiny_text(tiny_vlm_fp32):
-    from mlx_vlm import load
-    from vllm_mlx.text_model_from_vlm import build_text_model
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    model = build_text_model(vlm, tiny_vlm_fp32, enable_mtp=False)
-    assert model is not None
-    return model, processor.tokenizer
-
-
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(10, 3000, size=n).tolist() for n in lengths]

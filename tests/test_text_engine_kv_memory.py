@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from vllm_mlx_mtp_routing.text_engine import (
     BatchScheduler,
@@ -19,16 +18,6 @@ from vllm_mlx_mtp_routing.text_engine import (
     SamplingOptions,
     TextRequest,
 )
-from vllm_mlx_mtp_routing.text_model import build_text_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_vlm_fp32):
-    from mlx_vlm import load
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
-    return bundle, processor.tokenizer
 
 
 def _attention_caches(sched):

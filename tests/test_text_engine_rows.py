@@ -9,7 +9,6 @@ the MTP head's pairs must sit at their own positions.
 from __future__ import annotations
 
 import copy
-import json
 
 import mlx.core as mx
 import numpy as np
@@ -24,18 +23,8 @@ from vllm_mlx_mtp_routing.text_engine import (
     SingleTokenDecode,
     TextRequest,
 )
-from vllm_mlx_mtp_routing.text_model import build_text_model
 
 PREFILL = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_vlm_fp32):
-    from mlx_vlm import load
-
-    vlm, processor = load(str(tiny_vlm_fp32))
-    bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
-    return bundle, processor.tokenizer
 
 
 def _prompts(lengths, seed=0):
