@@ -59,6 +59,25 @@ DEFAULT_SHAPE = {
     "mtp_layers": 1,
 }
 
+# The SpecPrefill draft for that model (models/tiny-qwen35-draft): same tokenizer, one gated delta layer
+# and one full-attention layer (whose attention scores the prompt), no MTP head; ~1.5M parameters.
+DRAFT_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_layers": 2,
+    "full_attention_interval": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "linear_key_heads": 1,
+    "linear_value_heads": 2,
+    "linear_head_dim": 64,
+    "vocab_size": 4096,
+    "mtp_layers": 0,
+}
+
+SHAPES = {"trained": DEFAULT_SHAPE, "draft": DRAFT_SHAPE}
+
 
 # ---------------------------------------------------------------------------
 # prepare
@@ -82,6 +101,19 @@ def is_heldout(rel_path: str, every: int = 10) -> bool:
     return not is_test(rel_path) and int(hashlib.sha1(rel_path.encode()).hexdigest(), 16) % every == 0
 
 
+def builder_kwargs(shape: dict) -> dict:
+    keys = ("hidden_size", "intermediate_size", "num_layers", "full_attention_interval", "num_heads", "num_kv_heads",
+            "head_dim", "linear_key_heads", "linear_value_heads", "linear_head_dim", "mtp_layers", "vocab_size")
+    # a shape without MTP layers is written without an MTP head (mtp/ absent)
+    return {**{k: shape[k] for k in keys}, "mtp_placement": "subdir" if shape["mtp_layers"] else "none"}
+
+
+def data_shape(data: Path) -> dict:
+    """The shape `prepare` was run with (data dirs from before --shape hold the default one)."""
+    f = data / "shape.json"
+    return json.loads(f.read_text()) if f.exists() else DEFAULT_SHAPE
+
+
 def build_skeleton(out: Path, shape: dict, train_files: list[Path], seed: int, tokenizer_from: Path | None) -> None:
     """Config, tokenizer, processor configs and random weights in the VLM checkpoint layout, by the
     project's builder. The BPE is trained on the train files only, unless `tokenizer_from` names a
@@ -93,14 +125,8 @@ def build_skeleton(out: Path, shape: dict, train_files: list[Path], seed: int, t
         tokenizer_from = out.parent / "tokenizer"
         build_tokenizer(tokenizer_from, bpe_vocab=shape["vocab_size"] - 96, corpus=train_files,
                         corpus_bytes=4_000_000)
-    build_tiny_qwen35_vlm(
-        out, dtype="float32", seed=seed, force=True, tokenizer_from=tokenizer_from,
-        hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-        num_layers=shape["num_layers"], full_attention_interval=shape["full_attention_interval"],
-        num_heads=shape["num_heads"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
-        linear_key_heads=shape["linear_key_heads"], linear_value_heads=shape["linear_value_heads"],
-        linear_head_dim=shape["linear_head_dim"], mtp_layers=shape["mtp_layers"], vocab_size=shape["vocab_size"],
-    )
+    build_tiny_qwen35_vlm(out, dtype="float32", seed=seed, force=True, tokenizer_from=tokenizer_from,
+                          **builder_kwargs(shape))
 
 
 def tokenize_files(tokenizer_json: Path, files: list[Path], sep_id: int) -> np.ndarray:
@@ -122,13 +148,15 @@ def cmd_prepare(a) -> None:
     heldout = [f for f in files if is_heldout(str(f.relative_to(root)))]
     out = Path(a.out)
     skel = out / "skeleton"
-    build_skeleton(skel, DEFAULT_SHAPE, train, a.seed, Path(a.tokenizer_from) if a.tokenizer_from else None)
+    shape = SHAPES[a.shape]
+    build_skeleton(skel, shape, train, a.seed, Path(a.tokenizer_from) if a.tokenizer_from else None)
     cfg = json.loads((skel / "config.json").read_text())
     sep = cfg["text_config"]["eos_token_id"]  # <|endoftext|> between files
     tr = tokenize_files(skel / "tokenizer.json", train, sep)
     ho = tokenize_files(skel / "tokenizer.json", heldout, sep)
     np.savez_compressed(out / "corpus.npz", train=tr, heldout=ho)
     (out / "text_config.json").write_text(json.dumps(cfg["text_config"], indent=2))
+    (out / "shape.json").write_text(json.dumps(shape, indent=2))
     meta = {
         "stdlib": str(root),
         "python": sys.version.split()[0],
@@ -179,7 +207,8 @@ def make_models(text_config: dict):
         def __init__(self):
             super().__init__()
             self.lm = TextModel(args)
-            self.mtp = MTPHead()
+            if text_config["mtp_num_hidden_layers"]:
+                self.mtp = MTPHead()
 
     return Trainee(), args
 
@@ -190,7 +219,7 @@ def init_weights(model, seed: int) -> None:
     from mlx.utils import tree_flatten, tree_unflatten
 
     mx.random.seed(seed)
-    n_layers = len(model.lm.model.layers) + len(model.mtp.layers)
+    n_layers = len(model.lm.model.layers) + (len(model.mtp.layers) if "mtp" in model else 0)
     new = []
     for k, v in tree_flatten(model.parameters()):
         if k.endswith("A_log"):
@@ -216,6 +245,9 @@ def losses(model, x, distill: float):
     h = lm.model(x[:, :-1])  # post-norm hidden, positions 0..T-1
     logits = lm.lm_head(h)
     main = nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")
+    if "mtp" not in model:  # a model without an MTP head (the SpecPrefill draft)
+        zero = mx.zeros(())
+        return main, zero, zero, zero
     # MTP at t: hidden h[t] and token t+1 predict token t+2, t = 0..T-2
     e = lm.model.embed_tokens(x[:, 1:-1])
     m_logits = lm.lm_head(model.mtp(h[:, :-1], e))
@@ -416,15 +448,8 @@ def build_checkpoint_skeleton(out: Path, data: Path, dtype: str) -> None:
     the tokenizer the corpus was tokenized with."""
     from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
 
-    s = DEFAULT_SHAPE
-    build_tiny_qwen35_vlm(
-        out, dtype=dtype, force=True, tokenizer_from=data / "skeleton",
-        hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_layers=s["num_layers"],
-        full_attention_interval=s["full_attention_interval"], num_heads=s["num_heads"],
-        num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"], linear_key_heads=s["linear_key_heads"],
-        linear_value_heads=s["linear_value_heads"], linear_head_dim=s["linear_head_dim"],
-        mtp_layers=s["mtp_layers"], vocab_size=s["vocab_size"],
-    )
+    build_tiny_qwen35_vlm(out, dtype=dtype, force=True, tokenizer_from=data / "skeleton",
+                          **builder_kwargs(data_shape(data)))
 
 
 def cmd_assemble(a) -> None:
@@ -454,8 +479,9 @@ def cmd_assemble(a) -> None:
     idx = {"metadata": {"total_size": sum(v.nbytes for v in main.values())},
            "weight_map": {k: "model.safetensors" for k in sorted(main)}}
     (out / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2))
-    mx.save_safetensors(str(out / "mtp" / "weights.safetensors"), mtp, metadata={"format": "mlx"})
-    cfg["text_config"]["mtp_hidden_state_mode"] = "post_norm"  # what the head was trained on
+    if mtp:
+        mx.save_safetensors(str(out / "mtp" / "weights.safetensors"), mtp, metadata={"format": "mlx"})
+        cfg["text_config"]["mtp_hidden_state_mode"] = "post_norm"  # what the head was trained on
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(json.dumps({"out": str(out), "bytes": size, "main_tensors": len(main), "mtp_tensors": len(mtp)}))
@@ -468,6 +494,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--stdlib", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="trained",
+                   help="model shape: the trained model's, or its SpecPrefill draft's (2 layers, no MTP head)")
     p.add_argument("--tokenizer-from", default=None,
                    help="reuse this checkpoint's tokenizer (models/tiny-qwen35-trained reproduces its corpus)")
     t = sub.add_parser("train")
