@@ -149,8 +149,13 @@ def select_chunks(scores: np.ndarray, start: int, keep_pct: float, backbone_pct:
     backbone_n = min(keep_n, math.ceil(n_chunks * backbone_pct)) if backbone_pct > 0 else 0
     for j in range(backbone_n):
         chosen.add(round(j * (n_chunks - 1) / max(1, backbone_n - 1)))
+    target = math.ceil(M * keep_pct)  # a short last chunk does not make the kept share fall short
+
+    def size(j: int) -> int:
+        return min(M, (j + 1) * chunk) - j * chunk
+
     for j in np.argsort(-means, kind="stable"):
-        if len(chosen) >= keep_n:
+        if len(chosen) >= keep_n and sum(size(c) for c in chosen) >= target:
             break
         chosen.add(int(j))
     return [p for j in sorted(chosen) for p in range(start + j * chunk, start + min(M, (j + 1) * chunk))]
