@@ -188,3 +188,23 @@ def test_chunk_selection():
     every = select_chunks(scores, 0, 0.3, 0.3, 32)
     assert {p // 32 for p in every} == {0, 3, 6}  # all evenly spaced
     assert select_chunks(scores, 0, 1.0, 0.0, 32) == list(range(200))
+
+
+def test_scoring_and_sparse_prefill_run_in_pieces_between_decode_steps(tiny, draft):
+    bundle, tok = tiny
+    sp = SpecPrefill(draft, SpecPrefillSettings(threshold=100, keep_pct=0.3))
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, specprefill=sp)
+    sched.add(TextRequest("stream", PROMPT[:20], SamplingOptions(max_tokens=200)))
+    while not sched.running:
+        sched.step()
+    sched.add(TextRequest("long", PROMPT, OPTS))
+    steps, streamed = 0, 0
+    while not any(r.rid == "long" for r in sched.running):
+        outs = sched.step()
+        steps += 1
+        streamed += sum(len(o.new_token_ids) for o in outs if o.request_id == "stream")
+        assert steps < 50
+    # At most 64 prompt tokens a step (--prefill-step-size), one decode step each: 4 steps of 64 draft tokens, one of
+    # the last 3 and the 8 look-ahead tokens, then the 99 kept tokens as 64 + 35.
+    assert steps == 4 + 1 + 2 and streamed == steps
+    assert sp.metrics.requests == 1 and sp.metrics.tokens_kept == 3 * 32 + 3
