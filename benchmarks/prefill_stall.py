@@ -51,7 +51,9 @@ def long_prompt(model: Path, tokens: int) -> str:
     return tok.decode(ids[: tokens - 16])  # room for the chat template's own tokens
 
 
-async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float) -> dict:
+async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float,
+                  extra: dict | None = None) -> dict:
+    """``extra``: fields added to the long prompt's request body (e.g. ``specprefill``)."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     stop = asyncio.Event()
 
@@ -84,7 +86,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         poller = asyncio.create_task(poll_health(client))
         t0 = time.perf_counter()
         response = await client.post("/v1/chat/completions", json={
-            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0})
+            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0, **(extra or {})})
         t1 = time.perf_counter()
         stop.set()
         await poller

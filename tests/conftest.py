@@ -63,3 +63,13 @@ def tiny(tiny_vlm_fp32: Path):
     bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
     assert bundle.mtp is not None
     return bundle, processor.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SpecPrefill draft for the tiny model: 2 layers (one full-attention), its tokenizer, other weights."""
+    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+
+    out = tmp_path_factory.mktemp("draft") / "tiny-draft"
+    build_tiny_qwen35_vlm(out, num_layers=2, full_attention_interval=2, mtp_placement="none", tokenizer_from=tiny_vlm_fp32, seed=5)
+    return out

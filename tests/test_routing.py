@@ -52,7 +52,7 @@ def test_text_only_stays_text() -> None:
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"logits_processors": [object()]}, "logits processors"),
-        ({"specprefill": True}, "SpecPrefill"),
+        ({"specprefill": True, "specprefill_keep_pct": 0.2}, None),  # served on the text path (sparse or dense)
     ],
 )
 def test_text_path_gaps(options: dict, gap: str | None) -> None:

@@ -9,7 +9,9 @@
   projections and sizes, ``model.args``; ``DecoderLayer`` (the MTP head's layer).
 - ``mlx_lm.models.cache``: ``_BaseCache`` (the base our batch KV cache derives from),
   ``ArraysCache`` (gated-delta [conv, recurrent] state, batch on axis 0), ``KVCache``.
-- ``mlx_lm.models.base``: ``create_attention_mask`` / ``create_ssm_mask``.
+- ``mlx_lm.models.base``: ``create_attention_mask`` / ``create_ssm_mask``, ``scaled_dot_product_attention``;
+  ``Qwen3NextAttention``'s projections, norms and ``rope`` (SpecPrefill rotates kept tokens at their
+  own positions).
 """
 
 from __future__ import annotations
@@ -49,3 +51,10 @@ def attention_cache_index(model: Any) -> int:
 def ssm_cache_index(model: Any) -> int:
     """The layer whose cache builds the gated-delta (SSM) mask."""
     return model.model.ssm_idx
+
+
+def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+    """``mlx_lm.models.base.scaled_dot_product_attention`` (quantized KV caches included)."""
+    from mlx_lm.models.base import scaled_dot_product_attention as sdpa
+
+    return sdpa(*args, **kwargs)

@@ -17,7 +17,7 @@ from .flag_types import int_at_least, non_negative
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import validate_inline_images, validate_parameters
-from .host import engine_access
+from .host import engine_access, specprefill_flags
 from .routing import RoutingEngine, RoutingSettings
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")
@@ -36,6 +36,7 @@ class _State:
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None
     warm_prompts: str | None = None
+    specprefill: tuple[Any, str] | None = None  # (SpecPrefillSettings, draft path) with --specprefill
 
 
 STATE = _State()
@@ -82,6 +83,7 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
     STATE.prefix_cache = prefix_settings.from_args(args)
     STATE.warm_prompts = getattr(args, "warm_prompts", None)
+    STATE.specprefill = specprefill_flags.from_args(args)
 
 
 @hookimpl
@@ -216,6 +218,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         eos_token_ids=eos_token_ids(Path(info.model_path), info.config, info.tokenizer),
         decode=router.mtp_decode if bundle.mtp is not None else None,
         prefix_cache=prefix_cache,
+        specprefill=_specprefill(router, info),
     )
     router.prefill_budget.apply(text_engine.scheduler)
     # Built once the text path knows whether MTP loaded: its projection comes from the engine.
@@ -223,6 +226,24 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
         router.admission.cache_bytes = lambda: prefix_cache.nbytes
     return router.start_text_path(text_engine)
+
+
+def _specprefill(router: RoutingEngine, info: ModelInfo) -> Any:
+    if STATE.specprefill is None:
+        return None
+    from .specprefill import SpecPrefill
+    from .specprefill.scoring import attention_layers
+
+    settings, draft_path = STATE.specprefill
+    specprefill_flags.check_loaded_tokenizer(draft_path, info.tokenizer)
+    draft = specprefill_flags.load_draft(router.wrapped, draft_path)
+    attention_layers(draft)  # a draft whose queries cannot be read fails start-up, not a request
+    logger.info(
+        "mtp-routing: SpecPrefill on the text path: draft %s, prompts over %d tokens (after a prefix-cache hit) keep %.0f%% "
+        "(%.0f%% evenly spaced) in %d-token chunks, scored between decode steps",
+        draft_path, settings.threshold, settings.keep_pct * 100, settings.backbone_pct * 100, settings.chunk_tokens,
+    )
+    return SpecPrefill(draft, settings)
 
 
 def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:

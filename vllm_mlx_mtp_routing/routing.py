@@ -22,6 +22,7 @@ from .host import engine_access as host
 from .host import usage as host_usage
 from .normalize import normalize_messages
 from .request_validation import fit_to_context
+from .specprefill.settings import RequestChoice
 from .text_engine.outputs import TextOutput
 from .text_engine.row_check import preflight
 from .text_engine.sampling import SamplingOptions
@@ -65,8 +66,6 @@ def text_path_gap(options: dict[str, Any], *, text_mtp: bool = False) -> str | N
         return "presence_penalty"
     if float(options.get("repetition_penalty") or 1.0) != 1.0:
         return "repetition_penalty"
-    if options.get("specprefill"):
-        return "SpecPrefill was requested"
     if options.get("mllm_draft") and not text_mtp:
         return "a host drafter was requested and the text path has no MTP head"
     return None
@@ -252,8 +251,11 @@ class RoutingEngine(EngineDecorator):
         try:
             sampling = sampling_options(options)
             preflight(sampling)
+            sparse = RequestChoice.from_options(options)
         except ValueError as exc:  # RowOptionsError included: this request's own options, its own 400
             raise RequestRejected(400, str(exc)) from exc
+        if sparse.enabled and getattr(self.text_engine, "specprefill", None) is None:
+            logger.info("SpecPrefill requested, but the server runs without --specprefill --specprefill-draft-model: dense prefill")
         ticket = await self._admit("text", len(prompt_ids), options, priority)
         request_id: str | None = None
         finished = False
@@ -268,6 +270,7 @@ class RoutingEngine(EngineDecorator):
                 prompt_ids, sampling, rid, snapshot_at,
                 # the prefill working set is given back once the row joins the batch
                 on_joined=ticket.prefill_done if ticket is not None else None,
+                specprefill=sparse,
             )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
@@ -401,6 +404,8 @@ class RoutingEngine(EngineDecorator):
         stats["mtp"] = self.mtp_decode.stats() if self.mtp_decode is not None else {"enabled": False}
         cache = getattr(self.text_engine, "prefix_cache", None)
         stats["prefix_cache"] = cache.stats() if cache is not None else {"enabled": False}
+        sparse = getattr(self.text_engine, "specprefill", None)
+        stats["specprefill"] = sparse.metrics.stats() if sparse is not None else {"enabled": False}
         return stats
 
 

@@ -69,8 +69,10 @@ class BatchScheduler:
         eos_token_ids: list[int] | set[int] | None = None,
         decode: DecodeStrategy | None = None,
         prefix_cache: Any = None,
+        specprefill: Any = None,
     ) -> None:
-        """``prefix_cache``: a ``prefix_cache.PrefixCache`` (None: every prompt is prefilled in full)."""
+        """``prefix_cache``: a ``prefix_cache.PrefixCache`` (None: every prompt is prefilled in full);
+        ``specprefill``: a ``specprefill.SpecPrefill`` (None: every prompt is prefilled densely)."""
         if max_num_seqs < 1 or prefill_step_size < 1:
             raise ValueError("max_num_seqs and prefill_step_size must be >= 1")
         self.model = model
@@ -83,6 +85,7 @@ class BatchScheduler:
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
         self.decode = decode or SingleTokenDecode()
         self.prefix_cache = prefix_cache
+        self.specprefill = specprefill
         self.waiting: deque[Row] = deque()
         self.prefilling: list[Row] = []
         # The decode batch owns the running rows and every batch cache (backbone and MTP head).
@@ -129,7 +132,7 @@ class BatchScheduler:
             self.prefilling.remove(seq)
         else:
             self.waiting.remove(seq)
-        seq.prefill = None
+        seq.prefill = seq.sparse = None
         return seq.output("abort")
 
     def has_work(self) -> bool:
@@ -164,17 +167,20 @@ class BatchScheduler:
             try:
                 if seq.plan is None:  # looked up now, not at add: a prefix the request before it just prefilled counts
                     seq.plan = SnapshotPlan.start(self.prefix_cache, seq)
+                    if self.specprefill is not None:  # scored and prefilled sparsely in pieces, see specprefill/
+                        seq.sparse = self.specprefill.start(seq, self)
                 while seq.prefilled < seq.to_prefill:
-                    n = self._chunk_len(seq)
+                    job = seq.sparse
+                    n = job.next_cost() if job is not None else self._chunk_len(seq)
                     if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break
                     tic = time.perf_counter()
-                    done += self._prefill_chunk(seq)
+                    done += job.advance() if job is not None else self._prefill_chunk(seq)
                     last = time.perf_counter() - tic
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
-                seq.prefill = None
+                seq.prefill = seq.sparse = None
                 outputs.append(seq.output("error", error=f"{type(e).__name__}: {e}"))
                 continue
             if seq.prefilled < seq.to_prefill:

@@ -47,6 +47,7 @@ class TextEngine:
         eos_token_ids: list[int] | None = None,
         decode: DecodeStrategy | None = None,
         prefix_cache: Any = None,
+        specprefill: Any = None,
     ) -> None:
         self.scheduler = BatchScheduler(
             model,
@@ -56,6 +57,7 @@ class TextEngine:
             eos_token_ids=eos_token_ids,
             decode=decode,
             prefix_cache=prefix_cache,
+            specprefill=specprefill,
         )
         self._queues: dict[str, asyncio.Queue[TextOutput]] = {}
         self._wakeup: asyncio.Event | None = None
@@ -94,16 +96,17 @@ class TextEngine:
         snapshot_at: list[tuple[int, str]] | None = None,
         *,
         on_joined: Callable[[], None] | None = None,
+        specprefill: Any = None,
     ) -> str:
         """Queue a request. ``snapshot_at``: prompt positions worth a prefix-cache snapshot
         (``TextRequest``); ``on_joined`` runs (on the step's thread) when its prefill is done and it
-        joins the decode batch."""
+        joins the decode batch; ``specprefill``: its ``specprefill.settings.RequestChoice``."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
-        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined))
+        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined, specprefill))
         self._queues[rid] = asyncio.Queue()
         self._wakeup.set()
         return rid
@@ -155,6 +158,10 @@ class TextEngine:
     @property
     def prefix_cache(self) -> Any:
         return self.scheduler.prefix_cache
+
+    @property
+    def specprefill(self) -> Any:
+        return self.scheduler.specprefill
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

@@ -38,6 +38,8 @@ class TextRequest:
     snapshot_at: list[tuple[int, str]] = field(default_factory=list)
     # Called once when the request's prefill is done and it joins the decode batch.
     on_joined: Callable[[], None] | None = None
+    # The request's own SpecPrefill fields (a ``specprefill.settings.RequestChoice``; None: the server's).
+    specprefill: Any = None
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Row:
         self.drafted = 0
         self.accepted = 0
         self.plan: Any = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
+        self.sparse: Any = None  # a SpecPrefill job while the row is scored and prefilled sparsely
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
 
     @property

@@ -1,0 +1,210 @@
+"""SpecPrefill in the text engine on the real tiny fp32 models: the positioned forward against
+mlx-lm's own attention, sparse keeping everything equal to dense, the per-request and threshold
+decisions, a scoring error falling back to dense, the prefix-cache composition, MTP after a
+sparse prefill, and the chunk selection."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_mlx_mtp_routing.backbone import lm_head
+from vllm_mlx_mtp_routing.mlx_lm_internals import KVCache
+from vllm_mlx_mtp_routing.specprefill import RequestChoice, SpecPrefill, SpecPrefillSettings, prefill_sparse
+from vllm_mlx_mtp_routing.specprefill.scoring import select_chunks
+from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill, positioned_forward
+from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
+from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.rows import PrefillState
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+
+OPTS = SamplingOptions(max_tokens=10)
+PROMPT = mx.random.randint(10, 3000, (260,), key=mx.random.key(1)).tolist()
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir):
+    from mlx_lm import load
+
+    return load(str(tiny_draft_dir))[0]
+
+
+def run(sched: BatchScheduler, requests: list[TextRequest], restored: list[PrefillState | None] | None = None) -> dict:
+    for r, s in zip(requests, restored or [None] * len(requests)):
+        sched.add(r, restored=s)
+    done = {}
+    while sched.has_work():
+        for out in sched.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def dense_tokens(bundle, tok, prompt, mtp: bool = False) -> list[int]:
+    decode = MTPDecode(bundle.mtp, k=1) if mtp else None
+    return run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("d", prompt, OPTS)])["d"].token_ids
+
+
+class _RopeAtCache(KVCache):
+    """mlx-lm's KVCache whose RoPE offset (``offset``, what the attention reads) is set per run of
+    consecutive kept tokens while the keys are appended densely: a reference through mlx-lm's own
+    attention for the positioned forward."""
+
+    held = 0
+
+    def update_and_fetch(self, keys, values):
+        position, self.offset = self.offset, self.held
+        out = super().update_and_fetch(keys, values)
+        self.held, self.offset = self.offset, position + keys.shape[2]
+        return out
+
+
+def test_positioned_forward_matches_mlx_lm_attention_at_the_kept_positions(tiny):
+    bundle, _ = tiny
+    model = bundle.model
+    kept = [*range(0, 40), *range(100, 132), *range(200, 259)]
+    runs: list[list[int]] = []
+    for p in kept:
+        runs[-1].append(p) if runs and runs[-1][-1] == p - 1 else runs.append([p])
+    ref_cache = model.make_cache()
+    for c in ref_cache:
+        if type(c) is KVCache:
+            c.__class__ = _RopeAtCache
+    for r in runs:
+        for c in ref_cache:
+            if isinstance(c, _RopeAtCache):
+                c.offset = r[0]
+        ref = model(mx.array([[PROMPT[p] for p in r]]), cache=ref_cache)[0, -1]
+    cache = model.make_cache()
+    hidden = positioned_forward(model, mx.array([[PROMPT[p] for p in kept]]), mx.array(kept, dtype=mx.int32), cache)
+    ours = lm_head(model, hidden[:, -1:])[0, -1]
+    assert mx.abs(ours - ref).max().item() < 1e-4
+    assert cache[model.model.fa_idx].offset == len(kept)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_keeping_every_token_is_the_dense_prefill(tiny, mtp):
+    bundle, tok = tiny
+    state = PrefillState()
+    decode = MTPDecode(bundle.mtp, k=1) if mtp else None
+    job = SparsePrefill(bundle.model, PROMPT, list(range(len(PROMPT) - 1)), state, chunk_tokens=48,
+                        head=bundle.mtp if mtp else None)
+    while not job.done:
+        job.advance()
+    out = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("s", PROMPT, OPTS)], [state])["s"]
+    assert out.token_ids == dense_tokens(bundle, tok, PROMPT, mtp)
+    if mtp:
+        assert out.mtp_drafted > 0
+
+
+def test_opt_out_and_threshold_stay_dense_forced_and_long_go_sparse(tiny, draft):
+    bundle, tok = tiny
+    sp = SpecPrefill(draft, SpecPrefillSettings(threshold=200, keep_pct=0.3))
+    short = PROMPT[:150]
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, specprefill=sp)
+    out = run(sched, [
+        TextRequest("off", PROMPT, OPTS, specprefill=RequestChoice(enabled=False)),
+        TextRequest("short", short, OPTS),
+        TextRequest("long", PROMPT, OPTS),
+        TextRequest("forced", short, OPTS, specprefill=RequestChoice(enabled=True, keep_pct=0.5)),
+    ])
+    assert out["off"].token_ids == dense_tokens(bundle, tok, PROMPT)
+    assert out["short"].token_ids == dense_tokens(bundle, tok, short)
+    m = sp.metrics.stats()
+    assert m["requests"] == 2 and m["dense"] == {"below_threshold": 1, "opted_out": 1}
+    assert m["tokens_scored"] == (len(PROMPT) - 1) + (len(short) - 1)
+    # 30% of 259 and 50% of 149, in whole 32-token chunks (the last one short)
+    assert m["tokens_kept"] == 3 * 32 + 3 + 2 * 32 + 21 and m["fallbacks"] == 0
+    # the engine's sparse prefill is the one-shot helper's
+    state, kept = prefill_sparse(bundle.model, draft, PROMPT, 0.3, chunk_tokens=64)
+    alone = run(BatchScheduler(bundle.model, tok, prefill_step_size=64), [TextRequest("x", PROMPT, OPTS)], [state])["x"]
+    assert alone.token_ids == out["long"].token_ids and len(kept) == 3 * 32 + 3
+
+
+def test_a_scoring_error_falls_back_to_dense_with_one_log_line(tiny, tiny_draft_dir, caplog):
+    from mlx_lm import load
+
+    bundle, tok = tiny
+    broken = load(str(tiny_draft_dir))[0]
+    attn = broken.language_model.model.layers[1].self_attn
+    attn.q_proj.weight = mx.full(attn.q_proj.weight.shape, float("nan"))  # non-finite scores: a real scoring fault
+    sp = SpecPrefill(broken, SpecPrefillSettings(threshold=0, keep_pct=0.2))
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_mtp_routing.specprefill"):
+        out = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, specprefill=sp), [TextRequest("r", PROMPT, OPTS)])["r"]
+    assert out.finish_reason == "length" and out.token_ids == dense_tokens(bundle, tok, PROMPT)
+    assert sp.metrics.fallbacks == 1 and sp.metrics.requests == 0
+    lines = [r for r in caplog.records if "SpecPrefill" in r.getMessage()]
+    assert len(lines) == 1 and "dense prefill" in lines[0].getMessage() and lines[0].levelno == logging.WARNING
+
+
+def test_prefix_hit_scores_only_the_suffix_and_stores_no_sparse_state(tiny, draft):
+    from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
+
+    bundle, tok = tiny
+    cache = PrefixCache(bundle.model, 64 * 2**20, with_head=True)
+    sp = SpecPrefill(draft, SpecPrefillSettings(threshold=100, keep_pct=0.25))
+    system = PROMPT[:120]
+    first = [*system, *PROMPT[200:230]]
+    second = [*system, *PROMPT[120:260]]
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=MTPDecode(bundle.mtp, k=1), prefix_cache=cache, specprefill=sp)
+    run(sched, [TextRequest("a", first, OPTS, [(120, "system")], specprefill=RequestChoice(enabled=False))])
+    before = cache.stats()
+    assert before["entries"] >= 2  # the system prefix, the whole prompt and/or the generation
+    out = run(sched, [TextRequest("b", second, OPTS, [(120, "system")])])["b"]
+    after = cache.stats()
+    assert out.cached_tokens == 120 and after["hits"] == before["hits"] + 1
+    assert (after["entries"], after["snapshots_saved"]) == (before["entries"], before["snapshots_saved"])  # nothing sparse stored
+    assert sp.metrics.requests == 1 and sp.metrics.tokens_scored == len(second) - 1 - 120
+    # the same as scoring the suffix on the restored prefix by hand
+    restored = cache.lookup(second, len(second) - 1).state
+    state, kept = prefill_sparse(bundle.model, draft, second, 0.25, decode=MTPDecode(bundle.mtp, k=1), chunk_tokens=64, state=restored)
+    assert kept[0] >= 120 and sp.metrics.tokens_kept == len(kept)
+    alone = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=MTPDecode(bundle.mtp, k=1)), [TextRequest("c", second, OPTS)], [state])
+    assert alone["c"].token_ids == out.token_ids
+
+
+def test_sparse_rows_decode_beside_dense_rows_as_they_do_alone(tiny, draft):
+    bundle, tok = tiny
+    sp = SpecPrefill(draft, SpecPrefillSettings(threshold=100, keep_pct=0.2))
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=MTPDecode(bundle.mtp, k=2, adaptive=False), specprefill=sp)
+    together = run(sched, [TextRequest("dense", PROMPT[:60], OPTS), TextRequest("sparse", PROMPT, OPTS), TextRequest("d2", PROMPT[5:80], OPTS)])
+    assert together["dense"].token_ids == dense_tokens(bundle, tok, PROMPT[:60], mtp=True)
+    assert together["d2"].token_ids == dense_tokens(bundle, tok, PROMPT[5:80], mtp=True)
+    alone = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=MTPDecode(bundle.mtp, k=2, adaptive=False), specprefill=sp),
+                [TextRequest("sparse", PROMPT, OPTS)])
+    assert alone["sparse"].token_ids == together["sparse"].token_ids and together["sparse"].mtp_drafted > 0
+
+
+def test_chunk_selection():
+    scores = np.zeros(200, dtype=np.float32)
+    scores[40:50] = 1.0  # inside chunk 1 (of 7, from position 10)
+    kept = select_chunks(scores, 10, 0.3, 0.0, 32)
+    chunks = sorted({(p - 10) // 32 for p in kept})
+    assert chunks[-1] == 6 and 1 in chunks and len(chunks) == 3  # ceil(7 * 0.3) chunks, the last always
+    assert kept == sorted(kept) and kept[-1] == 209 and kept[0] >= 10
+    every = select_chunks(scores, 0, 0.3, 0.3, 32)
+    assert {p // 32 for p in every} == {0, 3, 6}  # all evenly spaced
+    assert select_chunks(scores, 0, 1.0, 0.0, 32) == list(range(200))
+
+
+def test_scoring_and_sparse_prefill_run_in_pieces_between_decode_steps(tiny, draft):
+    bundle, tok = tiny
+    sp = SpecPrefill(draft, SpecPrefillSettings(threshold=100, keep_pct=0.3))
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, specprefill=sp)
+    sched.add(TextRequest("stream", PROMPT[:20], SamplingOptions(max_tokens=200)))
+    while not sched.running:
+        sched.step()
+    sched.add(TextRequest("long", PROMPT, OPTS))
+    steps, streamed = 0, 0
+    while not any(r.rid == "long" for r in sched.running):
+        outs = sched.step()
+        steps += 1
+        streamed += sum(len(o.new_token_ids) for o in outs if o.request_id == "stream")
+        assert steps < 50
+    # At most 64 prompt tokens a step (--prefill-step-size), one decode step each: 4 steps of 64 draft tokens, one of
+    # the last 3 and the 8 look-ahead tokens, then the 99 kept tokens as 64 + 35.
+    assert steps == 4 + 1 + 2 and streamed == steps
+    assert sp.metrics.requests == 1 and sp.metrics.tokens_kept == 3 * 32 + 3

@@ -1,0 +1,133 @@
+"""SpecPrefill inside the text engine: per request, score with the draft, then prefill sparsely,
+in pieces the scheduler runs between decode steps of its batch (``BatchScheduler._prefill``).
+
+``SpecPrefill.start`` decides when a request's prefill begins (after its prefix-cache lookup, so
+only the part not restored is scored and a hit's prefix stays dense); ``SparseJob.advance`` runs
+one piece: a draft prefill chunk, the look-ahead and selection, or a chunk of kept tokens on the
+target. A scoring error (the draft's side) leaves the request's own caches untouched: it logs one
+line and the request is prefilled densely from where it was. A sparse row's state is never stored
+in the prefix cache (its snapshot plan is emptied, and its batch row is not a dense prefix).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import mlx.nn as nn
+
+from ..prefix_cache.plan import SnapshotPlan
+from .metrics import SpecPrefillMetrics
+from .scoring import ScoringJob
+from .settings import RequestChoice, SpecPrefillSettings, decide
+from .sparse_prefill import SparsePrefill
+
+logger = logging.getLogger("vllm_mlx_mtp_routing.specprefill")
+
+
+class SpecPrefill:
+    """The text engine's SpecPrefill: the draft model, the server's settings, the counters."""
+
+    def __init__(self, draft: nn.Module, settings: SpecPrefillSettings | None = None) -> None:
+        self.draft = draft
+        self.settings = settings or SpecPrefillSettings()
+        self.metrics = SpecPrefillMetrics()
+
+    def start(self, seq: Any, scheduler: Any) -> SparseJob | None:
+        """The request's sparse job, or None (dense) with the reason counted."""
+        choice: RequestChoice = seq.req.specprefill or RequestChoice()
+        start = seq.prefilled  # a prefix-cache hit's length; its tokens are not scored
+        suffix = seq.to_prefill - start
+        if choice.enabled is False:
+            self.metrics.skipped("opted_out")
+            return None
+        fractions = decide(self.settings, choice, suffix)
+        if fractions is None:
+            self.metrics.skipped("below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
+            return None
+        if seq.to_prefill > self.settings.max_tokens:
+            logger.info("SpecPrefill: %s has %d prompt tokens, more than the draft scores (%d): dense prefill",
+                        seq.rid, seq.to_prefill + 1, self.settings.max_tokens)
+            self.metrics.skipped("too_long")
+            return None
+        job = SparseJob(self, seq, scheduler, start, *fractions)
+        return job if job.active else None
+
+
+class SparseJob:
+    """One request's scoring then sparse prefill (see the module docstring)."""
+
+    def __init__(self, owner: SpecPrefill, seq: Any, scheduler: Any, start: int, keep_pct: float, backbone_pct: float) -> None:
+        self.owner = owner
+        self.seq = seq
+        self.scheduler = scheduler
+        self.start = start
+        self.scoring: ScoringJob | None = None
+        self.prefill: SparsePrefill | None = None
+        self.scoring_s = 0.0
+        self.prefill_s = 0.0
+        try:
+            self.scoring = ScoringJob(owner.draft, seq.req.prompt_ids, start, keep_pct, backbone_pct, owner.settings,
+                                      scheduler.prefill_chunk)
+        except Exception as exc:
+            self._fall_back(exc)
+
+    @property
+    def active(self) -> bool:
+        return self.scoring is not None or self.prefill is not None
+
+    def next_cost(self) -> int:
+        return self.prefill.next_cost() if self.prefill is not None else self.scoring.next_cost()
+
+    def advance(self) -> int:
+        """One piece of work; the tokens it ran (0 after a fallback: the request goes on densely)."""
+        tic = time.perf_counter()
+        if self.prefill is None:
+            try:
+                n = self.scoring.advance()
+            except Exception as exc:
+                self._fall_back(exc)
+                return 0
+            self.scoring_s += time.perf_counter() - tic
+            if self.scoring.done:
+                self._begin_prefill()
+            return n
+        n = self.prefill.advance()  # a fault here is the request's own prefill fault (its caches changed)
+        self.prefill_s += time.perf_counter() - tic
+        if self.prefill.done:
+            self._finish()
+        return n
+
+    def _begin_prefill(self) -> None:
+        seq, sched, scoring = self.seq, self.scheduler, self.scoring
+        state = sched._prefill_state(seq)
+        decode = sched.decode
+        self.prefill = SparsePrefill(
+            sched.model, seq.req.prompt_ids, scoring.kept, state, chunk_tokens=sched.prefill_chunk,
+            head=getattr(decode, "head", None) if getattr(decode, "head_layers", 0) else None,
+            hidden_state_mode=getattr(decode, "hidden_state_mode", "post_norm"),
+        )
+        self.scoring = None
+        # Sparse states are never prefix-cache entries: no snapshot during this prefill.
+        seq.plan = SnapshotPlan(None, {})
+
+    def _finish(self) -> None:
+        m, seq = self.owner.metrics, self.seq
+        scored, kept = seq.to_prefill - self.start, len(self.prefill.kept)
+        m.requests += 1
+        m.tokens_scored += scored
+        m.tokens_kept += kept
+        m.draft_tokens += seq.to_prefill + self.owner.settings.look_ahead
+        m.scoring_s += self.scoring_s
+        m.sparse_prefill_s += self.prefill_s
+        seq.sparse = None
+        logger.info("SpecPrefill %s: kept %d of %d prompt tokens (%.0f%%; %d restored from the prefix cache), scoring %.2f s, "
+                    "sparse prefill %.2f s", seq.rid, kept, scored, 100.0 * kept / max(scored, 1), self.start,
+                    self.scoring_s, self.prefill_s)
+
+    def _fall_back(self, exc: BaseException) -> None:
+        self.scoring = None
+        self.owner.metrics.fallbacks += 1
+        self.seq.sparse = None
+        logger.warning("SpecPrefill scoring failed for %s (%s: %s): dense prefill", self.seq.rid, type(exc).__name__, exc)

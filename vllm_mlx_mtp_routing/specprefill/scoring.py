@@ -1,0 +1,224 @@
+"""Token importance from a small draft model (Liu et al., "Speculative Prefill", ICML 2025).
+
+The draft prefills the prompt but its last token, then decodes ``look_ahead`` tokens greedily
+starting from that last token. Each of those tokens' queries, at every attention layer of the
+draft, attends over the prompt: softmax over the keys it sees, averaged over a ``pool_kernel``
+window of positions, maximum over layers and heads, mean over the look-ahead tokens. The prompt is
+cut into ``chunk_tokens`` chunks from the start of the scored region; the chunks with the highest
+mean score are kept (plus ``backbone_pct`` of them evenly spaced, and always the last chunk, whose
+final token the first decode step continues from).
+
+Queries are taken from the draft's own attention modules (``q_proj``, the output gate split off
+where there is one as in Qwen3.5, ``q_norm`` where present, the module's RoPE at the token's
+position), computed beside the layer's normal call on its input: nothing on the draft is patched.
+
+``ScoringJob`` does this in pieces (draft prefill chunks, then the look-ahead and the selection)
+so the text engine can run them between decode steps of its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .settings import SpecPrefillSettings
+
+
+class DraftUnsupported(ValueError):
+    """The draft's architecture has no attention layer this module can read queries from."""
+
+
+def text_model(draft: nn.Module) -> nn.Module:
+    """The draft's language model (an mlx-lm VLM wrapper keeps it under ``language_model``)."""
+    return getattr(draft, "language_model", draft)
+
+
+def attention_layers(draft: nn.Module) -> list[int]:
+    """Indices of the draft's full-attention layers; DraftUnsupported when there is none or one
+    whose queries cannot be read."""
+    layers = text_model(draft).model.layers
+    found = [i for i, layer in enumerate(layers) if getattr(layer, "self_attn", None) is not None and not getattr(layer, "is_linear", False)]
+    if not found:
+        raise DraftUnsupported("the draft model has no full-attention layer to score the prompt with")
+    for i in found:
+        attn = layers[i].self_attn
+        missing = [a for a in ("q_proj", "k_proj", "rope") if not hasattr(attn, a)]
+        if missing or _heads(attn) is None or not hasattr(layers[i], "input_layernorm"):
+            raise DraftUnsupported(f"layer {i}'s attention ({type(attn).__name__}) has no {missing or 'head counts'} to read queries from")
+    return found
+
+
+def _heads(attn: nn.Module) -> tuple[int, int] | None:
+    q = getattr(attn, "num_attention_heads", None) or getattr(attn, "n_heads", None)
+    kv = getattr(attn, "num_key_value_heads", None) or getattr(attn, "n_kv_heads", None)
+    return (int(q), int(kv)) if q and kv else None
+
+
+def queries(attn: nn.Module, x: mx.array, offset: int) -> mx.array:
+    """The attention's queries for ``x`` ([1, L, hidden], already input-normed) at positions
+    offset.. -> [1, Hq, L, D], rotated as the module rotates them."""
+    B, L, _ = x.shape
+    Hq, _ = _heads(attn)
+    q = attn.q_proj(x).reshape(B, L, Hq, -1)
+    head_dim = getattr(attn, "head_dim", None)
+    if head_dim is not None and q.shape[-1] == 2 * head_dim:  # Qwen3.5 / Qwen3-Next: [query | output gate]
+        q = mx.split(q, 2, axis=-1)[0]
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    return attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
+
+
+def _lm_head(tm: nn.Module, h: mx.array) -> mx.array:
+    head = getattr(tm, "lm_head", None)
+    return head(h) if head is not None else tm.model.embed_tokens.as_linear(h)
+
+
+def _layer_masks(tm: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    """The mask each layer takes for this input (its cache builds it, as the model's forward does)."""
+    from ..mlx_lm_internals import create_attention_mask, create_ssm_mask
+
+    out = []
+    for layer, c in zip(tm.model.layers, cache):
+        out.append(create_ssm_mask(h, c) if getattr(layer, "is_linear", False) else create_attention_mask(h, c))
+    return out
+
+
+def lookahead_queries(draft: nn.Module, cache: list[Any], first_token: int, steps: int, layers: list[int]) -> list[mx.array]:
+    """Feed ``first_token`` and then ``steps - 1`` greedy draft tokens one at a time; per attention
+    layer, the queries of those ``steps`` tokens, [1, Hq, steps, D]."""
+    tm = text_model(draft)
+    wanted = set(layers)
+    got: dict[int, list[mx.array]] = {i: [] for i in layers}
+    token = mx.array([[first_token]], dtype=mx.uint32)
+    for step in range(steps):
+        h = tm.model.embed_tokens(token)
+        for i, (layer, c, mask) in enumerate(zip(tm.model.layers, cache, _layer_masks(tm, h, cache))):
+            if i in wanted:
+                got[i].append(queries(layer.self_attn, layer.input_layernorm(h), c.offset))
+            h = layer(h, mask, c)
+        if step + 1 < steps:
+            token = mx.argmax(_lm_head(tm, tm.model.norm(h[:, -1:])), axis=-1).astype(mx.uint32)
+            mx.eval(token)
+    return [mx.concatenate(got[i], axis=2) for i in layers]
+
+
+def _avg_pool(x: mx.array, kernel: int) -> mx.array:
+    """Mean over a centred window of ``kernel`` positions along the last axis (shrinking at the ends)."""
+    if kernel <= 1:
+        return x
+    n = x.shape[-1]
+    c = mx.concatenate([mx.zeros((*x.shape[:-1], 1), x.dtype), mx.cumsum(x, axis=-1)], axis=-1)
+    lo = mx.maximum(mx.arange(n) - kernel // 2, 0)
+    hi = mx.minimum(mx.arange(n) + (kernel - kernel // 2), n)
+    return (mx.take(c, hi, axis=-1) - mx.take(c, lo, axis=-1)) / (hi - lo).astype(x.dtype)
+
+
+def importance(draft: nn.Module, cache: list[Any], qs: list[mx.array], layers: list[int], scored: int, kernel: int) -> mx.array:
+    """Per-position importance of prompt positions [0, scored), [scored] float32 (see the module)."""
+    best = None
+    for i, q in zip(layers, qs):
+        c = cache[i]
+        keys = c.keys[..., : c.offset, :].astype(mx.float32)  # [1, Hkv, T, D]
+        _, Hkv, T, D = keys.shape
+        _, Hq, A, _ = q.shape
+        attn = text_model(draft).model.layers[i].self_attn
+        scale = getattr(attn, "scale", D**-0.5)
+        qg = q.astype(mx.float32).reshape(1, Hkv, Hq // Hkv, A, D)
+        s = (qg * scale) @ keys[:, :, None].swapaxes(-1, -2)  # [1, Hkv, rep, A, T]
+        # Look-ahead token a sits at position T - A + a and sees the keys up to it.
+        visible = mx.arange(T)[None, :] <= (T - A + mx.arange(A))[:, None]
+        s = mx.softmax(mx.where(visible, s, -mx.inf), axis=-1)[..., :scored]
+        s = _avg_pool(s.reshape(Hq, A, scored), kernel).max(axis=0)  # [A, scored]: max over heads
+        best = s if best is None else mx.maximum(best, s)  # max over layers
+    return best.mean(axis=0)
+
+
+def select_chunks(scores: np.ndarray, start: int, keep_pct: float, backbone_pct: float, chunk: int) -> list[int]:
+    """The kept positions (sorted, absolute) of the region [start, start + len(scores)): whole
+    ``chunk``-token chunks counted from ``start``, the best by mean score, ``backbone_pct`` of them
+    evenly spaced, and always the last one."""
+    M = len(scores)
+    n_chunks = math.ceil(M / chunk)
+    keep_n = min(n_chunks, max(1, math.ceil(n_chunks * keep_pct)))
+    means = np.array([scores[j * chunk : (j + 1) * chunk].mean() for j in range(n_chunks)])
+    chosen = {n_chunks - 1}
+    backbone_n = min(keep_n, math.ceil(n_chunks * backbone_pct)) if backbone_pct > 0 else 0
+    for j in range(backbone_n):
+        chosen.add(round(j * (n_chunks - 1) / max(1, backbone_n - 1)))
+    target = math.ceil(M * keep_pct)  # a short last chunk does not make the kept share fall short
+
+    def size(j: int) -> int:
+        return min(M, (j + 1) * chunk) - j * chunk
+
+    for j in np.argsort(-means, kind="stable"):
+        if len(chosen) >= keep_n and sum(size(c) for c in chosen) >= target:
+            break
+        chosen.add(int(j))
+    return [p for j in sorted(chosen) for p in range(start + j * chunk, start + min(M, (j + 1) * chunk))]
+
+
+class ScoringJob:
+    """Scores prompt[start:n-1] of one request in pieces (``advance``), on its own draft caches.
+
+    ``kept`` is the result once ``done``; ``scored_tokens`` the draft tokens it processed.
+    """
+
+    def __init__(self, draft: nn.Module, prompt_ids: list[int], start: int, keep_pct: float, backbone_pct: float,
+                 settings: SpecPrefillSettings, chunk_tokens: int) -> None:
+        self.draft = draft
+        self.prompt_ids = prompt_ids
+        self.start = start
+        self.keep_pct = keep_pct
+        self.backbone_pct = backbone_pct
+        self.settings = settings
+        self.chunk_tokens = max(1, chunk_tokens)
+        self.layers = attention_layers(draft)
+        self.cache = draft.make_cache() if hasattr(draft, "make_cache") else text_model(draft).make_cache()
+        self.prefilled = 0  # draft tokens in self.cache
+        self.kept: list[int] | None = None
+
+    @property
+    def to_prefill(self) -> int:
+        return len(self.prompt_ids) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.kept is not None
+
+    def next_cost(self) -> int:
+        """Tokens the next ``advance`` feeds the draft."""
+        if self.prefilled < self.to_prefill:
+            return min(self.chunk_tokens - self.prefilled % self.chunk_tokens, self.to_prefill - self.prefilled)
+        return self.settings.look_ahead
+
+    def advance(self) -> int:
+        """One piece: a draft prefill chunk, or the look-ahead and the selection; tokens fed."""
+        n = self.next_cost()
+        if self.prefilled < self.to_prefill:
+            chunk = mx.array(self.prompt_ids[self.prefilled : self.prefilled + n], dtype=mx.uint32)[None]
+            self.draft(chunk, cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.prefilled += n
+            return n
+        s = self.settings
+        qs = lookahead_queries(self.draft, self.cache, self.prompt_ids[-1], s.look_ahead, self.layers)
+        scores = importance(self.draft, self.cache, qs, self.layers, self.to_prefill, s.pool_kernel)
+        region = np.array(scores[self.start :].astype(mx.float32))
+        if not np.all(np.isfinite(region)):
+            raise FloatingPointError("the draft's attention scores are not finite")
+        self.kept = select_chunks(region, self.start, self.keep_pct, self.backbone_pct, s.chunk_tokens)
+        self.cache = None  # the draft's caches are not needed past scoring
+        return n
+
+
+def score_tokens(draft: nn.Module, prompt_ids: list[int], keep_pct: float, *, start: int = 0, backbone_pct: float = 0.0,
+                 settings: SpecPrefillSettings | None = None, chunk_tokens: int = 2048) -> list[int]:
+    """All at once: the positions of prompt[start:len-1] a sparse prefill keeps."""
+    job = ScoringJob(draft, list(prompt_ids), start, keep_pct, backbone_pct, settings or SpecPrefillSettings(), chunk_tokens)
+    while not job.done:
+        job.advance()
+    return job.kept

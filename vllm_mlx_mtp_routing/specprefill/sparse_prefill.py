@@ -1,0 +1,136 @@
+"""Sparse prefill: the target model prefills only the kept prompt tokens, each at its own position.
+
+mlx-lm's attention rotates a forward's tokens at consecutive positions from its cache's offset, so
+kept tokens from several chunks in one forward would be rotated wrongly. Here the Qwen3.5 decoder
+stack runs with its attention layers called through ``positioned_attention``: the module's own
+projections, norms and RoPE, the RoPE applied with one offset per token (``mx.fast.rope`` takes a
+per-batch offset vector; the tokens are laid out as its batch), and the keys appended to the row's
+own single-sequence ``KVCache``. The gated-delta layers have no positions and see the kept tokens
+only. Nothing on the shared model is changed, so the running batch is never affected.
+
+The result is a ``PrefillState`` covering ``prompt[:n-1]`` (``prefilled`` = n - 1) whose caches
+hold the kept tokens and whose ``position`` is n - 1: the decode batch takes the row with its RoPE
+offset shifted past the dropped tokens, so decoding continues at the original prompt length. With
+an MTP head, the head's cache gets the pairs (hidden_p, token_p+1) of the kept positions p, each
+rotated at p, and the pair of the last kept position (always n - 2) waits for the first decode
+step, as after a dense prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..mlx_lm_internals import create_attention_mask, create_ssm_mask, scaled_dot_product_attention, ssm_cache_index
+from ..text_engine.rows import PrefillState
+
+
+def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
+    """``rope`` applied to x [1, H, L, D] with token l at positions[l] ([L] int32)."""
+    y = rope(x[0].transpose(1, 0, 2)[:, :, None, :], offset=positions)  # [L, H, 1, D]: one offset per token
+    return y[:, :, 0, :].transpose(1, 0, 2)[None]
+
+
+def positioned_attention(attn: nn.Module, x: mx.array, positions: mx.array, cache: Any) -> mx.array:
+    """mlx-lm's ``Qwen3NextAttention.__call__`` (gated, q/k norms) with per-token positions."""
+    B, L, _ = x.shape
+    q, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, L, -1)
+    k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    v = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    q = rope_at(attn.rope, attn.q_norm(q).transpose(0, 2, 1, 3), positions)
+    k = rope_at(attn.rope, k, positions)
+    # The keys held are the kept tokens in position order, so "causal" over them is the right mask.
+    mask = create_attention_mask(x, cache)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
+
+
+def _attention_layer(layer: nn.Module, h: mx.array, positions: mx.array, cache: Any) -> mx.array:
+    h = h + positioned_attention(layer.self_attn, layer.input_layernorm(h), positions, cache)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def positioned_forward(model: nn.Module, tokens: mx.array, positions: mx.array, cache: list[Any],
+                       hidden_state_mode: str = "post_norm") -> mx.array:
+    """The qwen3_5 decoder stack over tokens [1, L] at positions [L] -> the hidden state the MTP
+    head reads (post-norm, or pre-norm), [1, L, H]."""
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    ssm_mask = create_ssm_mask(h, cache[ssm_cache_index(model)])
+    for layer, c in zip(inner.layers, cache):
+        h = layer(h, mask=ssm_mask, cache=c) if layer.is_linear else _attention_layer(layer, h, positions, c)
+    return h if hidden_state_mode == "pre_norm" else inner.norm(h)
+
+
+def head_pairs(head: Any, hidden: mx.array, tokens: mx.array, positions: mx.array, cache: list[Any]) -> None:
+    """Append the MTP head's pairs (hidden[:, i], tokens[:, i]) at positions[i] to its caches."""
+    e = head.pre_fc_norm_embedding(head.backbone.model.embed_tokens(tokens))
+    x = head.fc(mx.concatenate([e, head.pre_fc_norm_hidden(hidden)], axis=-1))
+    for layer, c in zip(head.layers, cache):
+        x = _attention_layer(layer, x, positions, c)
+
+
+class SparsePrefill:
+    """Prefills the kept positions of one prompt on its ``PrefillState``, ``chunk_tokens`` kept tokens
+    per ``advance``. ``head``: the MTP head (None: no head caches are filled)."""
+
+    def __init__(self, model: nn.Module, prompt_ids: list[int], kept: list[int], state: PrefillState, *,
+                 chunk_tokens: int, head: Any = None, hidden_state_mode: str = "post_norm") -> None:
+        n = len(prompt_ids)
+        if not kept or kept[-1] != n - 2 or kept[0] < state.prefilled or any(a >= b for a, b in zip(kept, kept[1:])):
+            raise ValueError("kept positions must be increasing, past the restored prefix, and end at len(prompt) - 2")
+        self.model = model
+        self.prompt_ids = prompt_ids
+        self.kept = kept
+        self.state = state
+        self.chunk_tokens = max(1, chunk_tokens)
+        self.head = head
+        self.hidden_state_mode = hidden_state_mode
+        self.done_tokens = 0
+        if state.backbone is None:
+            state.backbone = model.make_cache()
+        # Pairs: the restored state's pending pair sits at prefilled - 1 (its next token is prompt[prefilled]).
+        self._pending_at = state.prefilled - 1 if state.head_hidden is not None else None
+        self._head_on = head is not None and (state.head is not None or state.prefilled == 0)
+        if self._head_on and state.head is None:
+            state.head = head.make_cache()
+
+    @property
+    def done(self) -> bool:
+        return self.done_tokens == len(self.kept)
+
+    def next_cost(self) -> int:
+        return min(self.chunk_tokens, len(self.kept) - self.done_tokens)
+
+    def advance(self) -> int:
+        n = self.next_cost()
+        pos = self.kept[self.done_tokens : self.done_tokens + n]
+        ids = self.prompt_ids
+        state = self.state
+        positions = mx.array(pos, dtype=mx.int32)
+        hidden = positioned_forward(self.model, mx.array([ids[p] for p in pos], dtype=mx.uint32)[None], positions,
+                                    state.backbone, self.hidden_state_mode)
+        arrays = [c.state for c in state.backbone]
+        if self.head is not None:
+            if self._head_on:
+                # (hidden_p, token_p+1) at p for the pending pair and every position here but the last.
+                hs, at = [hidden[:, :-1]], pos[:-1]
+                if self._pending_at is not None:
+                    hs.insert(0, state.head_hidden)
+                    at = [self._pending_at, *at]
+                if at:
+                    head_pairs(self.head, mx.concatenate(hs, axis=1), mx.array([[ids[p + 1] for p in at]], dtype=mx.uint32),
+                               mx.array(at, dtype=mx.int32), state.head)
+                    arrays.append([c.state for c in state.head])
+            state.head_hidden = hidden[:, -1:]
+            self._pending_at = pos[-1]
+            arrays.append(state.head_hidden)
+        mx.eval(arrays)
+        self.done_tokens += n
+        if self.done:
+            state.prefilled = state.position = len(ids) - 1
+        return n
