@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -198,10 +198,12 @@ def versions() -> dict:
             out[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - a version we cannot read is recorded as unknown
             out[mod] = "unknown"
-    try:
-        out["gpu"] = mx.metal.device_info().get("device_name", "") if mx.metal.is_available() else ""
-    except Exception:  # noqa: BLE001
-        pass
+    if mx.default_device() == mx.gpu:
+        try:
+            out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                        capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out["gpu"] = "unknown (no nvidia-smi)"
     return out
 
 
