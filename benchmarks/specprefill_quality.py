@@ -138,6 +138,9 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--dtype", default="float32", help="weights cast to this dtype (float32: exact comparisons)")
     ap.add_argument("--baseline-keep", default="0.2", help="keeps of the recent-K baseline ('' for none)")
+    ap.add_argument("--self-keep", default="0.2", help="keeps scored by the target itself as its own draft ('' for none)")
+    ap.add_argument("--sites", default="", help="a slice I:J of the sites (to run shards in parallel)")
+    ap.add_argument("--merge", type=Path, nargs="*", help="combine shard results (same arguments otherwise) into --out")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -185,11 +188,20 @@ def main() -> None:
         return state, kept
 
     base = [float(k) for k in args.baseline_keep.split(",") if k]
-    modes = ["dense"] + [f"keep {k}" for k in keeps] + [f"recent {k}" for k in base]
+    selfk = [float(k) for k in args.self_keep.split(",") if k]
+    modes = ["dense"] + [f"keep {k}" for k in keeps] + [f"recent {k}" for k in base] + [f"self {k}" for k in selfk]
     kind = "gpu" if mx.default_device() == mx.gpu else "cpu"
     out = args.out or REPO / "benchmarks" / "results" / f"specprefill_quality-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    if args.merge:
+        for f in args.merge:
+            rows += json.loads(f.read_text())["rows"]
+        print(json.dumps(save()))
+        return
+    if args.sites:
+        i, j = (int(x) if x else None for x in args.sites.split(":"))
+        sites = sites[i:j]
 
     def summarize() -> dict:
         summary = {}
@@ -230,7 +242,10 @@ def main() -> None:
                 ids = dense
             else:
                 how, k = mode.split()
-                state, kept = (prefill_sparse(model, draft, p, float(k)) if how == "keep" else recent_state(p, float(k)))
+                if how == "recent":
+                    state, kept = recent_state(p, float(k))
+                else:
+                    state, kept = prefill_sparse(model, draft if how == "keep" else model, p, float(k))
                 ids = decode(p, state)
             n = min(args.gen, len(ids), len(dense))
             prefix = next((j for j in range(n) if ids[j] != dense[j]), n)
