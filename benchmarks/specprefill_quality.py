@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO / "training"))
 class CallSite:
     file: str
     name: str
+    lead: str  # text of the cut token before the callee's name (".", " ", or nothing: BPE merges them)
     call_line: str  # the call from the callee's name to the end of its first line
     prompt_ids: list[int]
     def_span: tuple[int, int]  # prompt token range of the callee's `def name(` line
@@ -96,7 +97,8 @@ def file_call_sites(text: str, rel: str, tokenizer, *, min_distance: int, recent
             continue
         seen.add(name)
         end = starts[node.lineno] if node.end_lineno > node.lineno else starts[node.end_lineno - 1] + node.end_col_offset
-        out.append(CallSite(rel, name, text[at:end].rstrip("\n"), ids[first:cut], (d0 - first, d1 - first), cut - d0))
+        out.append(CallSite(rel, name, text[offs[cut] : at], text[at:end].rstrip("\n"), ids[first:cut],
+                            (d0 - first, d1 - first), cut - d0))
     return out
 
 
@@ -120,8 +122,10 @@ def call_sites(tokenizer, n: int, per_file: int, **limits) -> list[CallSite]:
 
 
 def task_scores(site: CallSite, text: str) -> dict:
+    """The continuation names the callee (``name(``), and reproduces the call's first line."""
     t = text.lstrip(" \t")
-    return {"name": t.startswith(site.name + "("), "call": t.startswith(site.call_line)}
+    lead = site.lead.lstrip(" \t")
+    return {"name": t.startswith(lead + site.name + "("), "call": t.startswith(lead + site.call_line)}
 
 
 def main() -> None:
@@ -195,8 +199,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     if args.merge:
+        by_key = {(s.file, s.name): s for s in sites}
         for f in args.merge:
             rows += json.loads(f.read_text())["rows"]
+        for r in rows:  # task scores again from the texts, by this version's rule
+            r["lead"] = by_key[(r["file"], r["name"])].lead
+            for m in r["modes"].values():
+                m.update(task_scores(by_key[(r["file"], r["name"])], m["text"]))
         print(json.dumps(save()))
         return
     if args.sites:

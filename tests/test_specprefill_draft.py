@@ -85,8 +85,12 @@ def test_call_sites_need_the_early_definition() -> None:
     s = sites[0]
     assert tok.decode(s.prompt_ids).rstrip().endswith("total =")
     assert "def helper" in tok.decode(s.prompt_ids[s.def_span[0] : s.def_span[1]])
-    assert Q.task_scores(s, " helper(x1, x2)\n") == {"name": True, "call": True}
-    assert Q.task_scores(s, " helper(x2)") == {"name": True, "call": False}
+    assert Q.task_scores(s, s.lead + "helper(x1, x2)\n") == {"name": True, "call": True}
+    assert Q.task_scores(s, s.lead + "helper(x2)") == {"name": True, "call": False}
+    assert Q.task_scores(s, s.lead + "helpers(x1)") == {"name": False, "call": False}
+    attr = "class A:\n    def helper(self):\n        return 1\n\n" + filler.replace("x", "    x") + "    def run(self):\n        return self.helper()\n"
+    (a_site,) = Q.file_call_sites(attr, "m.py", tok, min_distance=200, recent=100, min_prompt=300, max_prompt=4000)
+    assert Q.task_scores(a_site, a_site.lead + "helper()\n") == {"name": True, "call": True}
     # named again inside the recent window: the early context is not needed, no site
     near = "def helper(a, b):\n    return a + b\n\n" + filler + "helper\n" + "total = helper(x1, x2)\n"
     assert Q.file_call_sites(near, "m.py", tok, min_distance=200, recent=100, min_prompt=300, max_prompt=4000) == []
