@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import difflib
 import json
 import math
 import os
@@ -198,16 +199,6 @@ def main() -> None:
     out = args.out or REPO / "benchmarks" / "results" / f"specprefill_quality-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    if args.merge:
-        by_key = {(s.file, s.name): s for s in sites}
-        for f in args.merge:
-            rows += json.loads(f.read_text())["rows"]
-        for r in rows:  # task scores again from the texts, by this version's rule
-            r["lead"] = by_key[(r["file"], r["name"])].lead
-            for m in r["modes"].values():
-                m.update(task_scores(by_key[(r["file"], r["name"])], m["text"]))
-        print(json.dumps(save()))
-        return
     if args.sites:
         i, j = (int(x) if x else None for x in args.sites.split(":"))
         sites = sites[i:j]
@@ -220,7 +211,11 @@ def main() -> None:
                  "call_acc": round(sum(m["call"] for m in ms) / len(ms), 3),
                  "agree_first%d" % args.gen: round(sum(m["agree"] for m in ms) / len(ms), 3),
                  "identical_first%d" % args.gen: round(sum(m["prefix"] == args.gen for m in ms) / len(ms), 3),
-                 "mean_common_prefix": round(sum(m["prefix"] for m in ms) / len(ms), 2)}
+                 "mean_common_prefix": round(sum(m["prefix"] for m in ms) / len(ms), 2),
+                 "first_token_equal": round(sum(m["prefix"] >= 1 for m in ms) / len(ms), 3),
+                 # order-aware but shift-tolerant: difflib's ratio of the decoded texts
+                 "text_similarity": round(sum(difflib.SequenceMatcher(None, m["text"], r["modes"]["dense"]["text"]).ratio()
+                                              for m, r in zip(ms, rows)) / len(ms), 3)}
             if "def_kept" in ms[0]:
                 s["def_line_kept"] = round(sum(m["def_kept"] for m in ms) / len(ms), 3)
                 s["kept_share"] = round(sum(m["kept"] for m in ms) / sum(r["prompt_tokens"] - 1 for r in rows), 3)
@@ -241,6 +236,16 @@ def main() -> None:
         out.write_text(json.dumps(results, indent=2) + "\n")
         return summary
 
+    if args.merge:
+        by_key = {(s.file, s.name): s for s in sites}
+        for f in args.merge:
+            rows += json.loads(f.read_text())["rows"]
+        for r in rows:  # task scores again from the texts, by this version's rule
+            r["lead"] = by_key[(r["file"], r["name"])].lead
+            for m in r["modes"].values():
+                m.update(task_scores(by_key[(r["file"], r["name"])], m["text"]))
+        print(json.dumps(save()))
+        return
     for i, site in enumerate(sites):
         p = site.prompt_ids
         dense = decode(p)
