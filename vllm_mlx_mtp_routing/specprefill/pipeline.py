@@ -18,6 +18,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..prefix_cache.plan import SnapshotPlan
+from ..text_engine.rows import PrefillState
 from .metrics import SpecPrefillMetrics
 from .scoring import ScoringJob
 from .settings import RequestChoice, SpecPrefillSettings, decide
@@ -101,7 +102,9 @@ class SparseJob:
 
     def _begin_prefill(self) -> None:
         seq, sched, scoring = self.seq, self.scheduler, self.scoring
-        state = sched._prefill_state(seq)
+        if seq.prefill is None:
+            seq.prefill = PrefillState()
+        state = seq.prefill
         decode = sched.decode
         self.prefill = SparsePrefill(
             sched.model, seq.req.prompt_ids, scoring.kept, state, chunk_tokens=sched.prefill_chunk,

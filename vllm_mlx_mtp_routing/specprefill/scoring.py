@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from .settings import SpecPrefillSettings
 
@@ -177,7 +178,7 @@ class ScoringJob:
         self.settings = settings
         self.chunk_tokens = max(1, chunk_tokens)
         self.layers = attention_layers(draft)
-        self.cache = draft.make_cache() if hasattr(draft, "make_cache") else text_model(draft).make_cache()
+        self.cache = make_prompt_cache(draft)
         self.prefilled = 0  # draft tokens in self.cache
         self.kept: list[int] | None = None
 
