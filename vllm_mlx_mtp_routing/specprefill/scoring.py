@@ -33,6 +33,18 @@ class DraftUnsupported(ValueError):
     """The draft's architecture has no attention layer this module can read queries from."""
 
 
+def prepare_draft(draft: nn.Module) -> nn.Module:
+    """Give a Qwen3.5-style draft's gated-delta layers the fused CUDA recurrence (as the target's
+    get in text_model.py; nothing changes off CUDA): mlx-lm's per-position loop there would make
+    the draft's prefill cost about what the target's does. Same arithmetic to rounding. Idempotent."""
+    from ..backbone import use_fused_recurrence
+
+    tm = text_model(draft)
+    if any(getattr(layer, "linear_attn", None) is not None for layer in tm.model.layers):
+        use_fused_recurrence(tm)
+    return draft
+
+
 def text_model(draft: nn.Module) -> nn.Module:
     """The draft's language model (an mlx-lm VLM wrapper keeps it under ``language_model``)."""
     return getattr(draft, "language_model", draft)
@@ -177,7 +189,7 @@ class ScoringJob:
         self.backbone_pct = backbone_pct
         self.settings = settings
         self.chunk_tokens = max(1, chunk_tokens)
-        self.layers = attention_layers(draft)
+        self.layers = attention_layers(prepare_draft(draft))
         self.cache = make_prompt_cache(draft)
         self.prefilled = 0  # draft tokens in self.cache
         self.kept: list[int] | None = None
