@@ -84,3 +84,13 @@ def test_bad_values_exit_2_naming_the_flag(tiny_vlm_fp32, tiny_draft_dir, flags,
     flags = tuple(str(tiny_draft_dir) if f == "DRAFT" else f for f in flags)
     result = _cli("serve", str(tiny_vlm_fp32), *BASE, *flags)
     assert result.returncode == 2 and f"argument {named}" in result.stderr
+
+
+def test_flags_are_the_hosts_alone_where_the_text_path_does_not_run():
+    from types import SimpleNamespace
+
+    from vllm_mlx_mtp_routing.host.specprefill_flags import from_args
+
+    args = SimpleNamespace(specprefill=True, specprefill_draft_model=None, continuous_batching=False)
+    assert from_args(args) is None  # SimpleEngine: the host's own SpecPrefill decides
+    assert from_args(SimpleNamespace(specprefill=True, continuous_batching=True, mtp_routing_disable=True)) is None
