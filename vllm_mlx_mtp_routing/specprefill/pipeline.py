@@ -2,7 +2,8 @@
 in pieces the scheduler runs between decode steps of its batch (``BatchScheduler._prefill``).
 
 ``SpecPrefill.start`` decides when a request's prefill begins (after its prefix-cache lookup, so
-only the part not restored is scored and a hit's prefix stays dense); ``SparseJob.advance`` runs
+only the part not restored is scored and a hit's prefix stays dense; a system prompt the cache is to
+snapshot is prefilled densely first, so later requests hit it); ``SparseJob.advance`` runs
 one piece: a draft prefill chunk, the look-ahead and selection, or a chunk of kept tokens on the
 target. A scoring error (the draft's side) leaves the request's own caches untouched: it logs one
 line and the request is prefilled densely from where it was. A sparse row's state is never stored
@@ -38,7 +39,7 @@ class SpecPrefill:
     def start(self, seq: Any, scheduler: Any) -> SparseJob | None:
         """The request's sparse job, or None (dense) with the reason counted."""
         choice: RequestChoice = seq.req.specprefill or RequestChoice()
-        start = seq.prefilled  # a prefix-cache hit's length; its tokens are not scored
+        start = dense_prefix(seq)
         suffix = seq.to_prefill - start
         if choice.enabled is False:
             self.metrics.skipped("opted_out")
@@ -54,6 +55,16 @@ class SpecPrefill:
             return None
         job = SparseJob(self, seq, scheduler, start, *fractions)
         return job if job.active else None
+
+
+def dense_prefix(seq: Any) -> int:
+    """Where the sparse part of a prompt starts: after a prefix-cache hit, and after the system
+    prompt when the cache is to snapshot it (as the host's system-KV cache does, so the next request
+    with that system prompt hits it; a snapshot is never taken of a sparse state)."""
+    plan = seq.plan
+    system = [p for p, kind in (plan.positions.items() if plan is not None and plan.cache is not None else ())
+              if kind == "system" and p < seq.to_prefill]
+    return max([seq.prefilled, *system])
 
 
 class SparseJob:
@@ -73,6 +84,10 @@ class SparseJob:
                                       scheduler.prefill_chunk)
         except Exception as exc:
             self._fall_back(exc)
+
+    def ready(self) -> bool:
+        """Whether its pieces run now (the dense prefix before ``start`` is prefilled first)."""
+        return self.seq.prefilled >= self.start
 
     @property
     def active(self) -> bool:
