@@ -211,3 +211,19 @@ def test_scoring_and_sparse_prefill_run_in_pieces_between_decode_steps(tiny, dra
     # the last 3 and the 8 look-ahead tokens, then the 99 kept tokens as 64 + 35.
     assert steps == 4 + 1 + 2 and streamed == steps
     assert sp.metrics.requests == 1 and sp.metrics.tokens_kept == 3 * 32 + 3
+
+
+def test_the_per_request_decision_keeps_the_hosts_meaning():
+    from vllm_mlx_mtp_routing.specprefill.settings import decide
+
+    s = SpecPrefillSettings(threshold=100, keep_pct=0.3, backbone_pct=0.1)
+    assert decide(s, RequestChoice(), 100) is None and decide(s, RequestChoice(), 101) == (0.3, 0.1)
+    assert decide(s, RequestChoice(enabled=False), 10_000) is None
+    assert decide(s, RequestChoice(enabled=True), 50) == (0.3, 0.1)  # forced below the threshold
+    assert decide(s, RequestChoice(keep_pct=0.05), 500) == (0.05, 0.05)  # backbone share capped at the keep
+    assert decide(s, RequestChoice(keep_pct=1.0), 500) is None  # keeping everything is a dense prefill
+    assert RequestChoice.from_options({"specprefill": True, "specprefill_keep_pct": 0.2}) == RequestChoice(True, 0.2, None)
+    for bad in ({"specprefill_keep_pct": 0}, {"specprefill_keep_pct": 1.5}, {"specprefill_backbone_pct": -0.1},
+                {"specprefill": "yes"}, {"specprefill_keep_pct": 0.2, "specprefill_backbone_pct": 0.3}):
+        with pytest.raises(ValueError, match="specprefill"):
+            RequestChoice.from_options(bad)
