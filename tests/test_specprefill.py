@@ -48,6 +48,16 @@ def dense_tokens(bundle, tok, prompt, mtp: bool = False) -> list[int]:
     return run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("d", prompt, OPTS)])["d"].token_ids
 
 
+def _dense_head(bundle, prompt):
+    state = PrefillState()
+    state.backbone = bundle.model.make_cache()
+    decode = MTPDecode(bundle.mtp, k=1)
+    for start in range(0, len(prompt) - 1, 64):
+        decode.prefill(bundle.model, mx.array(prompt[start : min(start + 64, len(prompt) - 1)])[None], state)
+        state.prefilled = min(start + 64, len(prompt) - 1)
+    return state.head
+
+
 class _RopeAtCache(KVCache):
     """mlx-lm's KVCache whose RoPE offset (``offset``, what the attention reads) is set per run of
     consecutive kept tokens while the keys are appended densely: a reference through mlx-lm's own
@@ -95,9 +105,12 @@ def test_keeping_every_token_is_the_dense_prefill(tiny, mtp):
     while not job.done:
         job.advance()
     out = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("s", PROMPT, OPTS)], [state])["s"]
-    assert out.token_ids == dense_tokens(bundle, tok, PROMPT, mtp)
-    if mtp:
-        assert out.mtp_drafted > 0
+    dense_decode = MTPDecode(bundle.mtp, k=1) if mtp else None
+    dense = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=dense_decode), [TextRequest("d", PROMPT, OPTS)])["d"]
+    assert out.token_ids == dense.token_ids
+    if mtp:  # the head's cache is the dense one too: the same drafts are made and accepted
+        assert out.mtp_drafted > 0 and (out.mtp_drafted, out.mtp_accepted) == (dense.mtp_drafted, dense.mtp_accepted)
+        assert mx.allclose(state.head[0].keys[..., : state.head[0].offset, :], _dense_head(bundle, PROMPT)[0].keys[..., : state.head[0].offset, :], atol=1e-5)
 
 
 def test_opt_out_and_threshold_stay_dense_forced_and_long_go_sparse(tiny, draft):
