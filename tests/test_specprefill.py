@@ -99,13 +99,13 @@ def test_positioned_forward_matches_mlx_lm_attention_at_the_kept_positions(tiny)
 def test_keeping_every_token_is_the_dense_prefill(tiny, mtp):
     bundle, tok = tiny
     state = PrefillState()
-    decode = MTPDecode(bundle.mtp, k=1) if mtp else None
+    decode = MTPDecode(bundle.mtp, k=1, adaptive=False) if mtp else None  # drafting every step: counts do not follow the clock
     job = SparsePrefill(bundle.model, PROMPT, list(range(len(PROMPT) - 1)), state, chunk_tokens=48,
                         head=bundle.mtp if mtp else None)
     while not job.done:
         job.advance()
     out = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("s", PROMPT, OPTS)], [state])["s"]
-    dense_decode = MTPDecode(bundle.mtp, k=1) if mtp else None
+    dense_decode = MTPDecode(bundle.mtp, k=1, adaptive=False) if mtp else None
     dense = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=dense_decode), [TextRequest("d", PROMPT, OPTS)])["d"]
     assert out.token_ids == dense.token_ids
     if mtp:  # the head's cache is the dense one too: the same drafts are made and accepted

@@ -36,12 +36,17 @@ def test_server_sparse_prefills_long_prompts_only_as_asked(tiny_vlm_fp32, tiny_d
 
         sparse = chat(LONG)
         assert sparse.usage.prompt_tokens > 200 and sparse.choices[0].finish_reason == "length"
+        meta = (sparse.model_extra or {})["generation_metadata"]  # the host's per-response diagnostics
+        assert meta["specprefill_engaged"] is True and meta["specprefill_reason"] == "engaged"
+        assert meta["specprefill_route"] == "text" and 0 < meta["specprefill_selected_tokens"] < meta["specprefill_original_tokens"]
         s = _status(server)
         sp = s["specprefill"]
         assert sp["requests"] == 1 and sp["tokens_scored"] == sparse.usage.prompt_tokens - 1
         assert 0.3 * sp["tokens_scored"] <= sp["tokens_kept"] < sp["tokens_scored"] and sp["fallbacks"] == 0
         opted_out = chat(LONG, specprefill=False)
-        chat("hello there")  # under the threshold
+        assert opted_out.model_extra["generation_metadata"]["specprefill_reason"] == "disabled_by_request"
+        short = chat("hello there")  # under the threshold
+        assert short.model_extra["generation_metadata"]["specprefill_reason"] == "below_threshold"
         forced = chat("hello there, a short prompt the request asks to prefill sparsely", specprefill=True, specprefill_keep_pct=0.5)
         assert forced.choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError, match="specprefill_keep_pct"):

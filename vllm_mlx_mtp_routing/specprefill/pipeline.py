@@ -41,20 +41,34 @@ class SpecPrefill:
         choice: RequestChoice = seq.req.specprefill or RequestChoice()
         start = dense_prefix(seq)
         suffix = seq.to_prefill - start
+        seq.specprefill_outcome = outcome(choice.enabled, "engaged", suffix)
         if choice.enabled is False:
-            self.metrics.skipped("opted_out")
-            return None
+            return self._dense(seq, "opted_out")
         fractions = decide(self.settings, choice, suffix)
         if fractions is None:
-            self.metrics.skipped("below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
-            return None
+            return self._dense(seq, "below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
         if seq.to_prefill > self.settings.max_tokens:
             logger.info("SpecPrefill: %s has %d prompt tokens, more than the draft scores (%d): dense prefill",
                         seq.rid, seq.to_prefill + 1, self.settings.max_tokens)
-            self.metrics.skipped("too_long")
-            return None
+            return self._dense(seq, "too_long")
         job = SparseJob(self, seq, scheduler, start, *fractions)
         return job if job.active else None
+
+    def _dense(self, seq: Any, reason: str) -> None:
+        self.metrics.skipped(reason)
+        seq.specprefill_outcome["reason"] = OUTCOME_REASONS[reason]
+
+
+# The host's words for its per-response SpecPrefill diagnostics (vllm-mlx 0.6.0 mllm_batch_generator).
+OUTCOME_REASONS = {"opted_out": "disabled_by_request", "below_threshold": "below_threshold", "keep_all": "selection_not_sparse",
+                   "too_long": "prompt_too_long", "scoring_failed": "scoring_failed", "no_draft": "draft_unavailable"}
+
+
+def outcome(requested: bool | None, reason: str, original_tokens: int = 0, selected_tokens: int = 0) -> dict:
+    """A request's SpecPrefill diagnostics (the host's ``SpecPrefillOutcome`` fields on the text path):
+    ``original_tokens`` the prompt tokens it could drop (after any dense prefix), ``selected_tokens`` those kept."""
+    return {"requested": requested, "engaged": False, "reason": reason, "route": "text",
+            "original_tokens": original_tokens, "selected_tokens": selected_tokens}
 
 
 def dense_prefix(seq: Any) -> int:
@@ -140,6 +154,8 @@ class SparseJob:
         m.scoring_s += self.scoring_s
         m.sparse_prefill_s += self.prefill_s
         seq.sparse = None
+        if seq.specprefill_outcome is not None:
+            seq.specprefill_outcome.update(engaged=True, reason="engaged", original_tokens=scored, selected_tokens=kept)
         logger.info("SpecPrefill %s: kept %d of %d prompt tokens (%.0f%%; %d restored from the prefix cache), scoring %.2f s, "
                     "sparse prefill %.2f s", seq.rid, kept, scored, 100.0 * kept / max(scored, 1), self.start,
                     self.scoring_s, self.prefill_s)
@@ -148,4 +164,6 @@ class SparseJob:
         self.scoring = None
         self.owner.metrics.fallbacks += 1
         self.seq.sparse = None
+        if self.seq.specprefill_outcome is not None:
+            self.seq.specprefill_outcome["reason"] = OUTCOME_REASONS["scoring_failed"]
         logger.warning("SpecPrefill scoring failed for %s (%s: %s): dense prefill", self.seq.rid, type(exc).__name__, exc)
