@@ -156,9 +156,9 @@ class SparseJob:
         seq.sparse = None
         if seq.specprefill_outcome is not None:
             seq.specprefill_outcome.update(engaged=True, reason="engaged", original_tokens=scored, selected_tokens=kept)
-        logger.info("SpecPrefill %s: kept %d of %d prompt tokens (%.0f%%; %d restored from the prefix cache), scoring %.2f s, "
-                    "sparse prefill %.2f s", seq.rid, kept, scored, 100.0 * kept / max(scored, 1), self.start,
-                    self.scoring_s, self.prefill_s)
+        logger.info("SpecPrefill %s: kept %d of %d prompt tokens (%.0f%%) after the first %d (dense; %d from the prefix cache), "
+                    "scoring %.2f s, sparse prefill %.2f s", seq.rid, kept, scored, 100.0 * kept / max(scored, 1), self.start,
+                    seq.cached_tokens, self.scoring_s, self.prefill_s)
 
     def _fall_back(self, exc: BaseException) -> None:
         self.scoring = None
