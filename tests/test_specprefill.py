@@ -48,6 +48,16 @@ def dense_tokens(bundle, tok, prompt, mtp: bool = False) -> list[int]:
     return run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("d", prompt, OPTS)])["d"].token_ids
 
 
+def _dense_head(bundle, prompt):
+    state = PrefillState()
+    state.backbone = bundle.model.make_cache()
+    decode = MTPDecode(bundle.mtp, k=1)
+    for start in range(0, len(prompt) - 1, 64):
+        decode.prefill(bundle.model, mx.array(prompt[start : min(start + 64, len(prompt) - 1)])[None], state)
+        state.prefilled = min(start + 64, len(prompt) - 1)
+    return state.head
+
+
 class _RopeAtCache(KVCache):
     """mlx-lm's KVCache whose RoPE offset (``offset``, what the attention reads) is set per run of
     consecutive kept tokens while the keys are appended densely: a reference through mlx-lm's own
@@ -89,15 +99,18 @@ def test_positioned_forward_matches_mlx_lm_attention_at_the_kept_positions(tiny)
 def test_keeping_every_token_is_the_dense_prefill(tiny, mtp):
     bundle, tok = tiny
     state = PrefillState()
-    decode = MTPDecode(bundle.mtp, k=1) if mtp else None
+    decode = MTPDecode(bundle.mtp, k=1, adaptive=False) if mtp else None  # drafting every step: counts do not follow the clock
     job = SparsePrefill(bundle.model, PROMPT, list(range(len(PROMPT) - 1)), state, chunk_tokens=48,
                         head=bundle.mtp if mtp else None)
     while not job.done:
         job.advance()
     out = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=decode), [TextRequest("s", PROMPT, OPTS)], [state])["s"]
-    assert out.token_ids == dense_tokens(bundle, tok, PROMPT, mtp)
-    if mtp:
-        assert out.mtp_drafted > 0
+    dense_decode = MTPDecode(bundle.mtp, k=1, adaptive=False) if mtp else None
+    dense = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=dense_decode), [TextRequest("d", PROMPT, OPTS)])["d"]
+    assert out.token_ids == dense.token_ids
+    if mtp:  # the head's cache is the dense one too: the same drafts are made and accepted
+        assert out.mtp_drafted > 0 and (out.mtp_drafted, out.mtp_accepted) == (dense.mtp_drafted, dense.mtp_accepted)
+        assert mx.allclose(state.head[0].keys[..., : state.head[0].offset, :], _dense_head(bundle, PROMPT)[0].keys[..., : state.head[0].offset, :], atol=1e-5)
 
 
 def test_opt_out_and_threshold_stay_dense_forced_and_long_go_sparse(tiny, draft):
@@ -140,30 +153,33 @@ def test_a_scoring_error_falls_back_to_dense_with_one_log_line(tiny, tiny_draft_
     assert len(lines) == 1 and "dense prefill" in lines[0].getMessage() and lines[0].levelno == logging.WARNING
 
 
-def test_prefix_hit_scores_only_the_suffix_and_stores_no_sparse_state(tiny, draft):
+def test_prefix_cache_keeps_the_system_prompt_dense_scores_only_the_rest_and_stores_no_sparse_state(tiny, draft):
     from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 
     bundle, tok = tiny
     cache = PrefixCache(bundle.model, 64 * 2**20, with_head=True)
     sp = SpecPrefill(draft, SpecPrefillSettings(threshold=100, keep_pct=0.25))
     system = PROMPT[:120]
-    first = [*system, *PROMPT[200:230]]
-    second = [*system, *PROMPT[120:260]]
+    first = [*system, *PROMPT[120:250]]
+    second = [*system, *PROMPT[130:260]]
     sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=MTPDecode(bundle.mtp, k=1), prefix_cache=cache, specprefill=sp)
-    run(sched, [TextRequest("a", first, OPTS, [(120, "system")], specprefill=RequestChoice(enabled=False))])
-    before = cache.stats()
-    assert before["entries"] >= 2  # the system prefix, the whole prompt and/or the generation
-    out = run(sched, [TextRequest("b", second, OPTS, [(120, "system")])])["b"]
-    after = cache.stats()
-    assert out.cached_tokens == 120 and after["hits"] == before["hits"] + 1
-    assert (after["entries"], after["snapshots_saved"]) == (before["entries"], before["snapshots_saved"])  # nothing sparse stored
-    assert sp.metrics.requests == 1 and sp.metrics.tokens_scored == len(second) - 1 - 120
-    # the same as scoring the suffix on the restored prefix by hand
+    # No hit yet: the system prompt is prefilled densely and snapshotted, the rest scored and sparse.
+    a = run(sched, [TextRequest("a", first, OPTS, [(120, "system")])])["a"]
+    assert a.cached_tokens == 0 and sp.metrics.requests == 1 and sp.metrics.tokens_scored == len(first) - 1 - 120
+    stats = cache.stats()
+    assert stats["entries"] == 1 and stats["snapshots_saved"] == 1  # the system prompt only: nothing sparse stored
+    kept_a = sp.metrics.tokens_kept
+    # A hit: the cached system prompt is restored, only the rest is scored and sparse-prefilled.
+    b = run(sched, [TextRequest("b", second, OPTS, [(120, "system")])])["b"]
+    stats = cache.stats()
+    assert b.cached_tokens == 120 and stats["hits"] == 1 and (stats["entries"], stats["snapshots_saved"]) == (1, 1)
+    assert sp.metrics.requests == 2 and sp.metrics.tokens_scored == (len(first) - 1 - 120) + (len(second) - 1 - 120)
+    # the same as scoring the rest on the restored prefix by hand
     restored = cache.lookup(second, len(second) - 1).state
     state, kept = prefill_sparse(bundle.model, draft, second, 0.25, decode=MTPDecode(bundle.mtp, k=1), chunk_tokens=64, state=restored)
-    assert kept[0] >= 120 and sp.metrics.tokens_kept == len(kept)
+    assert kept[0] >= 120 and len(kept) < len(second) - 121
     alone = run(BatchScheduler(bundle.model, tok, prefill_step_size=64, decode=MTPDecode(bundle.mtp, k=1)), [TextRequest("c", second, OPTS)], [state])
-    assert alone["c"].token_ids == out.token_ids
+    assert alone["c"].token_ids == b.token_ids and sp.metrics.tokens_kept - kept_a == len(kept)
 
 
 def test_sparse_rows_decode_beside_dense_rows_as_they_do_alone(tiny, draft):
@@ -208,3 +224,19 @@ def test_scoring_and_sparse_prefill_run_in_pieces_between_decode_steps(tiny, dra
     # the last 3 and the 8 look-ahead tokens, then the 99 kept tokens as 64 + 35.
     assert steps == 4 + 1 + 2 and streamed == steps
     assert sp.metrics.requests == 1 and sp.metrics.tokens_kept == 3 * 32 + 3
+
+
+def test_the_per_request_decision_keeps_the_hosts_meaning():
+    from vllm_mlx_mtp_routing.specprefill.settings import decide
+
+    s = SpecPrefillSettings(threshold=100, keep_pct=0.3, backbone_pct=0.1)
+    assert decide(s, RequestChoice(), 100) is None and decide(s, RequestChoice(), 101) == (0.3, 0.1)
+    assert decide(s, RequestChoice(enabled=False), 10_000) is None
+    assert decide(s, RequestChoice(enabled=True), 50) == (0.3, 0.1)  # forced below the threshold
+    assert decide(s, RequestChoice(keep_pct=0.05), 500) == (0.05, 0.05)  # backbone share capped at the keep
+    assert decide(s, RequestChoice(keep_pct=1.0), 500) is None  # keeping everything is a dense prefill
+    assert RequestChoice.from_options({"specprefill": True, "specprefill_keep_pct": 0.2}) == RequestChoice(True, 0.2, None)
+    for bad in ({"specprefill_keep_pct": 0}, {"specprefill_keep_pct": 1.5}, {"specprefill_backbone_pct": -0.1},
+                {"specprefill": "yes"}, {"specprefill_keep_pct": 0.2, "specprefill_backbone_pct": 0.3}):
+        with pytest.raises(ValueError, match="specprefill"):
+            RequestChoice.from_options(bad)

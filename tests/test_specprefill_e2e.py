@@ -36,12 +36,17 @@ def test_server_sparse_prefills_long_prompts_only_as_asked(tiny_vlm_fp32, tiny_d
 
         sparse = chat(LONG)
         assert sparse.usage.prompt_tokens > 200 and sparse.choices[0].finish_reason == "length"
+        meta = (sparse.model_extra or {})["generation_metadata"]  # the host's per-response diagnostics
+        assert meta["specprefill_engaged"] is True and meta["specprefill_reason"] == "engaged"
+        assert meta["specprefill_route"] == "text" and 0 < meta["specprefill_selected_tokens"] < meta["specprefill_original_tokens"]
         s = _status(server)
         sp = s["specprefill"]
         assert sp["requests"] == 1 and sp["tokens_scored"] == sparse.usage.prompt_tokens - 1
         assert 0.3 * sp["tokens_scored"] <= sp["tokens_kept"] < sp["tokens_scored"] and sp["fallbacks"] == 0
         opted_out = chat(LONG, specprefill=False)
-        chat("hello there")  # under the threshold
+        assert opted_out.model_extra["generation_metadata"]["specprefill_reason"] == "disabled_by_request"
+        short = chat("hello there")  # under the threshold
+        assert short.model_extra["generation_metadata"]["specprefill_reason"] == "below_threshold"
         forced = chat("hello there, a short prompt the request asks to prefill sparsely", specprefill=True, specprefill_keep_pct=0.5)
         assert forced.choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError, match="specprefill_keep_pct"):
@@ -84,3 +89,13 @@ def test_bad_values_exit_2_naming_the_flag(tiny_vlm_fp32, tiny_draft_dir, flags,
     flags = tuple(str(tiny_draft_dir) if f == "DRAFT" else f for f in flags)
     result = _cli("serve", str(tiny_vlm_fp32), *BASE, *flags)
     assert result.returncode == 2 and f"argument {named}" in result.stderr
+
+
+def test_flags_are_the_hosts_alone_where_the_text_path_does_not_run():
+    from types import SimpleNamespace
+
+    from vllm_mlx_mtp_routing.host.specprefill_flags import from_args
+
+    args = SimpleNamespace(specprefill=True, specprefill_draft_model=None, continuous_batching=False)
+    assert from_args(args) is None  # SimpleEngine: the host's own SpecPrefill decides
+    assert from_args(SimpleNamespace(specprefill=True, continuous_batching=True, mtp_routing_disable=True)) is None

@@ -22,6 +22,7 @@ from .host import engine_access as host
 from .host import usage as host_usage
 from .normalize import normalize_messages
 from .request_validation import fit_to_context
+from .specprefill.pipeline import OUTCOME_REASONS, outcome
 from .specprefill.settings import RequestChoice
 from .text_engine.outputs import TextOutput
 from .text_engine.row_check import preflight
@@ -84,6 +85,10 @@ def sampling_options(options: dict[str, Any]) -> SamplingOptions:
     )
 
 
+def no_draft_outcome(prompt_tokens: int) -> dict:
+    return outcome(True, OUTCOME_REASONS["no_draft"], prompt_tokens - 1)
+
+
 def to_generation_output(out: TextOutput, *, streaming: bool) -> Any:
     return host.GenerationOutput(
         text=host.clean_output_text(out.text),
@@ -95,6 +100,7 @@ def to_generation_output(out: TextOutput, *, streaming: bool) -> Any:
         finished=out.finished,
         mtp_drafts=out.mtp_drafted,
         mtp_accepted=out.mtp_accepted,
+        specprefill_outcome=host.specprefill_outcome(out.specprefill),
     )
 
 
@@ -274,6 +280,8 @@ class RoutingEngine(EngineDecorator):
             )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
+                if sparse.enabled and out.specprefill is None:  # asked for, but the server has no draft
+                    out.specprefill = no_draft_outcome(len(prompt_ids))
                 host_usage.record(out.cached_tokens)
                 yield out
         finally:

@@ -14,8 +14,19 @@ logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
 __all__ = [
     "GenerationOutput", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "render_chat_prompt", "scheduler_setting",
+    "specprefill_outcome",
     "tokens_per_media_item",
 ]
+
+
+def specprefill_outcome(fields: dict | None) -> Any:
+    """The host's per-response SpecPrefill diagnostics object (``GenerationOutput.specprefill_outcome``,
+    shown in the response's ``generation_metadata``) from the text path's fields; None for None."""
+    if fields is None:
+        return None
+    from vllm_mlx.mllm_specprefill import SpecPrefillOutcome
+
+    return SpecPrefillOutcome(**fields)
 
 
 def scheduler_setting(engine: Any, name: str, default: Any) -> Any:

@@ -72,8 +72,11 @@ def check_tokenizers(draft_dir: Path, target_dir: Path) -> None:
 
 
 def from_args(args: Any) -> tuple[SpecPrefillSettings, str] | None:
-    """(settings, draft path) with --specprefill, else None; FlagError naming a bad flag."""
+    """(settings, draft path) with --specprefill, else None; FlagError naming a bad flag. Where the
+    text path cannot run (no --continuous-batching, --mtp-routing-disable) the flags are the host's alone."""
     if args is None or not getattr(args, "specprefill", False):
+        return None
+    if not getattr(args, "continuous_batching", False) or getattr(args, "mtp_routing_disable", False):
         return None
     threshold = getattr(args, "specprefill_threshold", 8192)
     keep = getattr(args, "specprefill_keep_pct", 0.3)

@@ -2,7 +2,8 @@
 in pieces the scheduler runs between decode steps of its batch (``BatchScheduler._prefill``).
 
 ``SpecPrefill.start`` decides when a request's prefill begins (after its prefix-cache lookup, so
-only the part not restored is scored and a hit's prefix stays dense); ``SparseJob.advance`` runs
+only the part not restored is scored and a hit's prefix stays dense; a system prompt the cache is to
+snapshot is prefilled densely first, so later requests hit it); ``SparseJob.advance`` runs
 one piece: a draft prefill chunk, the look-ahead and selection, or a chunk of kept tokens on the
 target. A scoring error (the draft's side) leaves the request's own caches untouched: it logs one
 line and the request is prefilled densely from where it was. A sparse row's state is never stored
@@ -18,6 +19,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..prefix_cache.plan import SnapshotPlan
+from ..text_engine.rows import PrefillState
 from .metrics import SpecPrefillMetrics
 from .scoring import ScoringJob
 from .settings import RequestChoice, SpecPrefillSettings, decide
@@ -37,22 +39,46 @@ class SpecPrefill:
     def start(self, seq: Any, scheduler: Any) -> SparseJob | None:
         """The request's sparse job, or None (dense) with the reason counted."""
         choice: RequestChoice = seq.req.specprefill or RequestChoice()
-        start = seq.prefilled  # a prefix-cache hit's length; its tokens are not scored
+        start = dense_prefix(seq)
         suffix = seq.to_prefill - start
+        seq.specprefill_outcome = outcome(choice.enabled, "engaged", suffix)
         if choice.enabled is False:
-            self.metrics.skipped("opted_out")
-            return None
+            return self._dense(seq, "opted_out")
         fractions = decide(self.settings, choice, suffix)
         if fractions is None:
-            self.metrics.skipped("below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
-            return None
+            return self._dense(seq, "below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
         if seq.to_prefill > self.settings.max_tokens:
             logger.info("SpecPrefill: %s has %d prompt tokens, more than the draft scores (%d): dense prefill",
                         seq.rid, seq.to_prefill + 1, self.settings.max_tokens)
-            self.metrics.skipped("too_long")
-            return None
+            return self._dense(seq, "too_long")
         job = SparseJob(self, seq, scheduler, start, *fractions)
         return job if job.active else None
+
+    def _dense(self, seq: Any, reason: str) -> None:
+        self.metrics.skipped(reason)
+        seq.specprefill_outcome["reason"] = OUTCOME_REASONS[reason]
+
+
+# The host's words for its per-response SpecPrefill diagnostics (vllm-mlx 0.6.0 mllm_batch_generator).
+OUTCOME_REASONS = {"opted_out": "disabled_by_request", "below_threshold": "below_threshold", "keep_all": "selection_not_sparse",
+                   "too_long": "prompt_too_long", "scoring_failed": "scoring_failed", "no_draft": "draft_unavailable"}
+
+
+def outcome(requested: bool | None, reason: str, original_tokens: int = 0, selected_tokens: int = 0) -> dict:
+    """A request's SpecPrefill diagnostics (the host's ``SpecPrefillOutcome`` fields on the text path):
+    ``original_tokens`` the prompt tokens it could drop (after any dense prefix), ``selected_tokens`` those kept."""
+    return {"requested": requested, "engaged": False, "reason": reason, "route": "text",
+            "original_tokens": original_tokens, "selected_tokens": selected_tokens}
+
+
+def dense_prefix(seq: Any) -> int:
+    """Where the sparse part of a prompt starts: after a prefix-cache hit, and after the system
+    prompt when the cache is to snapshot it (as the host's system-KV cache does, so the next request
+    with that system prompt hits it; a snapshot is never taken of a sparse state)."""
+    plan = seq.plan
+    system = [p for p, kind in (plan.positions.items() if plan is not None and plan.cache is not None else ())
+              if kind == "system" and p < seq.to_prefill]
+    return max([seq.prefilled, *system])
 
 
 class SparseJob:
@@ -72,6 +98,10 @@ class SparseJob:
                                       scheduler.prefill_chunk)
         except Exception as exc:
             self._fall_back(exc)
+
+    def ready(self) -> bool:
+        """Whether its pieces run now (the dense prefix before ``start`` is prefilled first)."""
+        return self.seq.prefilled >= self.start
 
     @property
     def active(self) -> bool:
@@ -101,7 +131,9 @@ class SparseJob:
 
     def _begin_prefill(self) -> None:
         seq, sched, scoring = self.seq, self.scheduler, self.scoring
-        state = sched._prefill_state(seq)
+        if seq.prefill is None:
+            seq.prefill = PrefillState()
+        state = seq.prefill
         decode = sched.decode
         self.prefill = SparsePrefill(
             sched.model, seq.req.prompt_ids, scoring.kept, state, chunk_tokens=sched.prefill_chunk,
@@ -122,12 +154,16 @@ class SparseJob:
         m.scoring_s += self.scoring_s
         m.sparse_prefill_s += self.prefill_s
         seq.sparse = None
-        logger.info("SpecPrefill %s: kept %d of %d prompt tokens (%.0f%%; %d restored from the prefix cache), scoring %.2f s, "
-                    "sparse prefill %.2f s", seq.rid, kept, scored, 100.0 * kept / max(scored, 1), self.start,
-                    self.scoring_s, self.prefill_s)
+        if seq.specprefill_outcome is not None:
+            seq.specprefill_outcome.update(engaged=True, reason="engaged", original_tokens=scored, selected_tokens=kept)
+        logger.info("SpecPrefill %s: kept %d of %d prompt tokens (%.0f%%) after the first %d (dense; %d from the prefix cache), "
+                    "scoring %.2f s, sparse prefill %.2f s", seq.rid, kept, scored, 100.0 * kept / max(scored, 1), self.start,
+                    seq.cached_tokens, self.scoring_s, self.prefill_s)
 
     def _fall_back(self, exc: BaseException) -> None:
         self.scoring = None
         self.owner.metrics.fallbacks += 1
         self.seq.sparse = None
+        if self.seq.specprefill_outcome is not None:
+            self.seq.specprefill_outcome["reason"] = OUTCOME_REASONS["scoring_failed"]
         logger.warning("SpecPrefill scoring failed for %s (%s: %s): dense prefill", self.seq.rid, type(exc).__name__, exc)

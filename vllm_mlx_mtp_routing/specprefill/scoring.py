@@ -24,12 +24,25 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from .settings import SpecPrefillSettings
 
 
 class DraftUnsupported(ValueError):
     """The draft's architecture has no attention layer this module can read queries from."""
+
+
+def prepare_draft(draft: nn.Module) -> nn.Module:
+    """Give a Qwen3.5-style draft's gated-delta layers the fused CUDA recurrence (as the target's
+    get in text_model.py; nothing changes off CUDA): mlx-lm's per-position loop there would make
+    the draft's prefill cost about what the target's does. Same arithmetic to rounding. Idempotent."""
+    from ..backbone import use_fused_recurrence
+
+    tm = text_model(draft)
+    if any(getattr(layer, "linear_attn", None) is not None for layer in tm.model.layers):
+        use_fused_recurrence(tm)
+    return draft
 
 
 def text_model(draft: nn.Module) -> nn.Module:
@@ -176,8 +189,8 @@ class ScoringJob:
         self.backbone_pct = backbone_pct
         self.settings = settings
         self.chunk_tokens = max(1, chunk_tokens)
-        self.layers = attention_layers(draft)
-        self.cache = draft.make_cache() if hasattr(draft, "make_cache") else text_model(draft).make_cache()
+        self.layers = attention_layers(prepare_draft(draft))
+        self.cache = make_prompt_cache(draft)
         self.prefilled = 0  # draft tokens in self.cache
         self.kept: list[int] | None = None
 

@@ -170,7 +170,7 @@ class BatchScheduler:
                     if self.specprefill is not None:  # scored and prefilled sparsely in pieces, see specprefill/
                         seq.sparse = self.specprefill.start(seq, self)
                 while seq.prefilled < seq.to_prefill:
-                    job = seq.sparse
+                    job = seq.sparse if seq.sparse is not None and seq.sparse.ready() else None
                     n = job.next_cost() if job is not None else self._chunk_len(seq)
                     if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break

@@ -29,3 +29,6 @@ class TextOutput:
     mtp_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     error: str | None = None
+    # SpecPrefill's decision for this request (requested, engaged, reason, original_tokens, selected_tokens);
+    # None where the server runs without it.
+    specprefill: dict | None = None

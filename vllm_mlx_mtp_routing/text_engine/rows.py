@@ -114,6 +114,7 @@ class Row:
         self.accepted = 0
         self.plan: Any = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
         self.sparse: Any = None  # a SpecPrefill job while the row is scored and prefilled sparsely
+        self.specprefill_outcome: dict | None = None  # SpecPrefill's decision, reported with the outputs
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
 
     @property
@@ -160,6 +161,7 @@ class Row:
             mtp_accepted=self.accepted,
             cached_tokens=self.cached_tokens,
             error=error,
+            specprefill=self.specprefill_outcome,
         )
 
 
