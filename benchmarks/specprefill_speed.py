@@ -85,14 +85,9 @@ def random_model(shape: str, dtype):
 
     cfg = dict(SHAPES[shape])
     if cfg["model_type"] == "qwen3":
-        from mlx_lm.models.cache import KVCache
         from mlx_lm.models.qwen3 import Model, ModelArgs
 
-        class AttentionDraft(Model):
-            def make_cache(self):  # what mlx-lm's make_prompt_cache gives a model without one
-                return [KVCache() for _ in self.layers]
-
-        model = AttentionDraft(ModelArgs.from_dict(cfg))
+        model = Model(ModelArgs.from_dict(cfg))
     else:
         from mlx_lm.models.qwen3_5 import TextModel, TextModelArgs
 
@@ -104,6 +99,12 @@ def random_model(shape: str, dtype):
         mx.eval(layer.parameters())
     model.set_dtype(dtype)
     mx.eval(model.parameters())
+    if cfg["model_type"] != "qwen3":
+        # As the server's text model gets in text_model.py (and a draft in scoring.prepare_draft): the fused
+        # gated-delta recurrence on MLX's CUDA backend; a no-op elsewhere.
+        from vllm_mlx_mtp_routing.backbone import use_fused_recurrence
+
+        use_fused_recurrence(model)
     return model, sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
@@ -191,7 +192,9 @@ class Bench:
 def versions() -> dict:
     import mlx.core as mx
 
-    out = {"mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
+    from vllm_mlx_mtp_routing.recurrence import fused_available
+
+    out = {"fused_gated_delta": fused_available(), "mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
            "machine": platform.machine(), "commit": os.environ.get("BENCH_COMMIT", "")}
     for mod in ("mlx_lm", "mlx_vlm", "vllm_mlx"):
         try:
