@@ -16,7 +16,7 @@ from .errors import RequestRejected
 from .flag_types import int_at_least, non_negative
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
-from .request_validation import validate_inline_images, validate_parameters
+from .request_validation import body_sampling_options, validate_inline_images, validate_parameters
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
@@ -222,6 +222,9 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router.admission = _admission_controller(info, router, text_engine)
     if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
         router.admission.cache_bytes = lambda: prefix_cache.nbytes
+    from .host import logprobs_response
+
+    logprobs_response.install()
     return router.start_text_path(text_engine)
 
 
@@ -263,6 +266,7 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
     seed = request.body.get("seed")
     if seed is not None:
         request.options["seed"] = int(seed)
+    request.options.update(body_sampling_options(request.method, request.body))
 
 
 @hookimpl

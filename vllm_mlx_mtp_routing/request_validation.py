@@ -17,6 +17,7 @@ from typing import Any
 from .errors import RequestRejected
 
 SEED_LIMIT = 2**64
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 
@@ -99,6 +100,11 @@ def _stop(field: str) -> Callable[[Any], None]:
     return check
 
 
+def _top_logprobs(v: Any) -> None:
+    n = _integer("top_logprobs", v)
+    _in_range("top_logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "seed": _seed,
     "temperature": _temperature,
@@ -112,7 +118,30 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "stop": _stop("stop"),
     "stop_sequences": _stop("stop_sequences"),
+    "top_logprobs": _top_logprobs,
 }
+
+
+def body_sampling_options(method: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the host's request models drop that the text path serves: ``frequency_penalty`` and
+    ``logprobs`` (chat: ``logprobs: true`` with ``top_logprobs: N``; completions: ``logprobs: N``)."""
+    options: dict[str, Any] = {}
+    if body.get("frequency_penalty") is not None:
+        options["frequency_penalty"] = float(body["frequency_penalty"])
+    logprobs = body.get("logprobs")
+    if logprobs is None or logprobs is False:
+        if body.get("top_logprobs"):
+            raise RequestRejected(400, "top_logprobs needs logprobs: true")
+        return options
+    if method in ("chat", "stream_chat"):
+        if logprobs is not True:
+            raise RequestRejected(400, f"logprobs must be a boolean, got {logprobs!r}")
+        options.update(logprobs=True, top_logprobs=int(body.get("top_logprobs") or 0))
+    else:
+        n = _integer("logprobs", logprobs)
+        _in_range("logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+        options.update(logprobs=True, top_logprobs=n)
+    return options
 
 
 def validate_parameters(*sources: Mapping[str, Any]) -> None:

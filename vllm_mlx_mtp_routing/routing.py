@@ -19,6 +19,7 @@ from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
 from .host import asgi
 from .host import engine_access as host
+from .host import logprobs_response as host_logprobs
 from .host import usage as host_usage
 from .normalize import normalize_messages
 from .request_validation import fit_to_context
@@ -34,7 +35,7 @@ MEDIA_PART_TYPES = frozenset(
 MEDIA_PART_KEYS = ("image_url", "input_image", "video_url", "input_audio", "audio_url")
 MEDIA_OPTIONS = ("images", "videos", "audio")
 # Options the plugin's pre-generation hook adds; the host's engine never sees them.
-PLUGIN_OPTIONS = ("priority", "seed")
+PLUGIN_OPTIONS = ("priority", "seed", "frequency_penalty", "logprobs", "top_logprobs")
 
 
 def _is_media_part(part: Any) -> bool:
@@ -59,12 +60,6 @@ def text_path_gap(options: dict[str, Any], *, text_mtp: bool = False) -> str | N
 
     `text_mtp`: the text path drafts with an MTP head (the host's own drafter when one is
     configured), so a request asking for the host's drafter (`mllm_draft`) is served there."""
-    if options.get("logits_processors"):
-        return "logits processors (logit_bias, JSON mode, thinking budget)"
-    if float(options.get("presence_penalty") or 0.0) != 0.0:
-        return "presence_penalty"
-    if float(options.get("repetition_penalty") or 1.0) != 1.0:
-        return "repetition_penalty"
     if options.get("specprefill"):
         return "SpecPrefill was requested"
     if options.get("mllm_draft") and not text_mtp:
@@ -82,6 +77,12 @@ def sampling_options(options: dict[str, Any]) -> SamplingOptions:
         min_p=float(options.get("min_p") or 0.0),
         seed=options.get("seed"),
         stop=[stop] if isinstance(stop, str) else list(stop),
+        logits_processors=list(options.get("logits_processors") or ()),
+        presence_penalty=float(options.get("presence_penalty") or 0.0),
+        frequency_penalty=float(options.get("frequency_penalty") or 0.0),
+        repetition_penalty=float(options.get("repetition_penalty") or 1.0),
+        logprobs=bool(options.get("logprobs")),
+        top_logprobs=int(options.get("top_logprobs") or 0),
     )
 
 
@@ -272,6 +273,8 @@ class RoutingEngine(EngineDecorator):
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
                 host_usage.record(out.cached_tokens)
+                if out.logprobs is not None:
+                    host_logprobs.record(self.tokenizer_for_text, out)
                 yield out
         finally:
             if request_id is not None and not finished:  # client went away or the task was cancelled

@@ -50,6 +50,7 @@ class RequestContext:
     response_id: str | None = None  # the id in the first SSE chunk (chatcmpl-..., msg_...), for cancel by id
     cancel: Callable[[], bool] | None = None  # cancels what the engine runs for this request
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
+    body_filters: list[Callable[[Message], Message]] = field(default_factory=list)  # amend response bodies on the way out
 
 
 # Requests whose stream showed its response id, by that id: cancel by id finds them here.
@@ -172,6 +173,9 @@ class _HoldingSend:
     async def __call__(self, message: Message) -> None:
         if self._replaced:
             return
+        if message["type"] == "http.response.body":
+            for amend in self._ctx.body_filters:
+                message = amend(message)
         if message["type"] == "http.response.start":
             content_type = dict(message.get("headers", [])).get(b"content-type", b"")
             if content_type.startswith(b"text/event-stream"):

@@ -241,7 +241,7 @@ class BatchScheduler:
             try:  # a fault of this row alone (its sampling, its stop handling) fails this row alone
                 if seq.sampler.fault is not None:
                     raise seq.sampler.fault
-                seq.add_tokens(tokens)
+                seq.add_tokens(tokens, result.logprobs[i] if result.logprobs else None)
                 out = seq.output()
             except Exception as e:
                 seq.finish_reason = "error"

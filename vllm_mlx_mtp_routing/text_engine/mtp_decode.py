@@ -54,6 +54,7 @@ from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult
 from .draft_policy import DraftPolicy
 from .draft_schedule import DraftSchedule
+from .logprobs import row_logprobs
 from .mtp_rows import MTPRowState
 from .rows import DecodeBatch, PrefillState
 from .sampling import RowSampler
@@ -215,7 +216,7 @@ class MTPDecode:
         cycle = None if self._last_end is None else end - self._last_end
         self._last_end = end
         self._record(cache, B, k, drafting, accepted, sum(keep), cycle)
-        return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted)
+        return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted, row_logprobs(logits, tokens, samplers))
 
     # -- drafting ---------------------------------------------------------------------------
 
