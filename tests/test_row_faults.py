@@ -68,6 +68,7 @@ def test_preflight_refuses_unusable_options() -> None:
     ("seed", -1), ("seed", 2**64), ("seed", 1.5), ("seed", True), ("temperature", -1), ("temperature", float("nan")),
     ("top_p", 0), ("top_p", 1.01), ("top_k", -1), ("min_p", 2), ("frequency_penalty", 2.5), ("presence_penalty", "x"),
     ("repetition_penalty", -1), ("max_tokens", 0), ("stop", "ok" * 600), ("stop", [None]), ("stop_sequences", 5),
+    ("top_logprobs", 21), ("top_logprobs", -1),
 ])
 def test_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(RequestRejected) as info:

@@ -32,7 +32,11 @@ from .sampling import SamplingOptions
 class RowLogits:
     """A row's logits processing; ``generated`` is the row's own list of generated tokens (shared, not copied)."""
 
-    def __init__(self, options: SamplingOptions, prompt_ids: list[int], generated: list[int]) -> None:
+    def __init__(
+        self, options: SamplingOptions, prompt_ids: list[int], generated: list[int], stop_ids: set[int] = frozenset()
+    ) -> None:
+        self.max_tokens = options.max_tokens
+        self.stop_ids = stop_ids
         self.processors = list(options.logits_processors)
         self.presence = float(options.presence_penalty)
         self.frequency = float(options.frequency_penalty)
@@ -41,11 +45,18 @@ class RowLogits:
         self._prompt_set = np.unique(np.asarray(prompt_ids, dtype=np.int64)) if self.repetition != 1.0 else None
 
     @staticmethod
-    def for_row(options: SamplingOptions, prompt_ids: list[int], generated: list[int]) -> RowLogits | None:
+    def for_row(
+        options: SamplingOptions, prompt_ids: list[int], generated: list[int], stop_ids: set[int] = frozenset()
+    ) -> RowLogits | None:
         """None when the row's logits go to sampling untouched."""
         if options.logits_processors or options.presence_penalty or options.frequency_penalty or options.repetition_penalty != 1.0:
-            return RowLogits(options, prompt_ids, generated)
+            return RowLogits(options, prompt_ids, generated, stop_ids)
         return None
+
+    def ends(self, token: int, emitted: int) -> bool:
+        """Whether the row finishes with ``token``, the ``emitted``-th of this step: a verify walk stops
+        there, as plain decoding would (a stop string is found later, by the scheduler)."""
+        return token in self.stop_ids or len(self.generated) + emitted >= self.max_tokens
 
     def __call__(self, logits: mx.array, drafts: list[int] = ()) -> mx.array:
         """Processed logits [V] for the position after ``generated + drafts``."""

@@ -1,7 +1,7 @@
 """Verification of one row whose logits are processed (``RowLogits``): position by position.
 
 Position j's logits are processed with the row's tokens and drafts 0..j-1 (exactly what plain
-decoding would pass, had it emitted those drafts), and the walk stops at the first rejected draft:
+decoding would pass, had it emitted those drafts), and the walk stops at the first rejected draft (or where the row finishes):
 the processors are never called past the accepted run, so nothing of theirs needs rolling back.
 Greedy rows keep a draft while it equals the processed argmax; sampled rows run speculative
 sampling against the processed distribution (accept d with prob min(1, p(d)/q(d)), else resample
@@ -24,7 +24,7 @@ def processed_row(logits: mx.array, drafts: list[int], q: mx.array | None, sampl
         for j in range(k + 1):
             t = int(mx.argmax(sampler.logits(logits[j], drafts[:j])).item())
             tokens.append(t)
-            if j == k or t != drafts[j]:
+            if j == k or t != drafts[j] or sampler.logits.ends(t, j + 1):
                 return tokens, j
     if not k:
         return [int(sampler.sample(sampler.logits(logits[0])).item())], 0
@@ -39,6 +39,8 @@ def processed_row(logits: mx.array, drafts: list[int], q: mx.array | None, sampl
         d = drafts[j]
         pd, qd = p[d].item(), q[j, d].item()
         if uniform[j] * qd < pd:
+            if sampler.logits.ends(d, j + 1):
+                return drafts[: j + 1], j
             continue
         resid = mx.maximum(p - q[j], 0.0)
         resid = mx.where(resid.sum() > 0, resid, p)  # p == q leaves no residual: any p-sample will do

@@ -102,9 +102,9 @@ class Row:
         self.rid = req.request_id
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if req.options.logprobs else None  # one per token_ids entry
-        self.sampler = RowSampler(req.options)
-        self.sampler.logits = RowLogits.for_row(req.options, req.prompt_ids, self.token_ids)
         self.stop_ids = eos_ids | set(req.options.stop_token_ids)
+        self.sampler = RowSampler(req.options)
+        self.sampler.logits = RowLogits.for_row(req.options, req.prompt_ids, self.token_ids, self.stop_ids)
         self.text = StopText(tokenizer, req.options.stop)
         self.prefill: PrefillState | None = restored  # the prefill-stage caches until the row joins
         self.decode: Any = None  # the decode strategy's per-row state once the row is in the batch
