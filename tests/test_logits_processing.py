@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 from vllm_mlx.api.tool_calling import build_json_logits_processor
 
+from logits_reference import generated_logprobs, reference_greedy
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 from vllm_mlx_mtp_routing.text_engine.logits_processing import fork_options
@@ -46,30 +46,6 @@ def run(bundle, tok, jobs, decode=None):
                 lps += out.logprobs
         step += 1
     return [outs[i] for i in range(len(jobs))]
-
-
-def direct_logits(model, ids: list[int]) -> np.ndarray:
-    """Logits [T, V] of one forward over the whole sequence (no cache)."""
-    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
-
-
-def reference_greedy(model, prompt, n, *, presence=0.0, frequency=0.0, repetition=1.0, bias=None, eos=()):
-    """Greedy decoding with OpenAI presence/frequency penalties over generated tokens and the HF
-    repetition penalty over prompt + generated tokens, straight from the model's logits."""
-    out: list[int] = []
-    while len(out) < n:
-        x = direct_logits(model, prompt + out)[-1].astype(np.float64)
-        if repetition != 1.0:
-            seen = sorted(set(prompt) | set(out))
-            x[seen] = np.where(x[seen] < 0, x[seen] * repetition, x[seen] / repetition)
-        for t in set(out):
-            x[t] -= frequency * out.count(t) + presence
-        for t, b in (bias or {}).items():
-            x[t] += b
-        out.append(int(np.argmax(x)))
-        if out[-1] in eos:
-            break
-    return out
 
 
 PENALTIES = [
@@ -106,8 +82,7 @@ def test_logprobs_equal_log_softmax_of_a_direct_forward(tiny):
     opts = [SamplingOptions(max_tokens=10, logprobs=True, top_logprobs=5),
             SamplingOptions(max_tokens=10, logprobs=True, repetition_penalty=1.5)]  # processing does not touch logprobs
     for (ids, lps), prompt, o in zip(run(bundle, tok, [(0, p, o) for p, o in zip(prompts, opts)]), prompts, opts):
-        x = direct_logits(bundle.model, prompt + ids)[len(prompt) - 1 : len(prompt) - 1 + len(ids)].astype(np.float64)
-        ref = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+        ref = generated_logprobs(bundle.model, prompt, ids)
         assert [e.token for e in lps] == ids
         np.testing.assert_allclose([e.logprob for e in lps], ref[np.arange(len(ids)), ids], atol=1e-4)
         for e, r in zip(lps, ref):

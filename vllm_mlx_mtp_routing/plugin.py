@@ -252,7 +252,8 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
 
 @hookimpl
 def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
-    """Carry what the host's request models drop: the priority header and the OpenAI ``seed`` field."""
+    """Carry what the host's request models drop: the priority header, the OpenAI ``seed``,
+    ``frequency_penalty`` and ``logprobs`` fields, and ``logit_bias`` on completions."""
     if not STATE.routing_active:
         return
     value = request.headers.get(PRIORITY_HEADER)
@@ -267,6 +268,8 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
     if seed is not None:
         request.options["seed"] = int(seed)
     request.options.update(body_sampling_options(request.method, request.body))
+    if request.method in ("generate", "stream_generate") and request.body.get("logit_bias"):
+        engine_access.attach_logit_bias(request.options, request.body["logit_bias"])
 
 
 @hookimpl

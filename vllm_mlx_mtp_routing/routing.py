@@ -336,7 +336,8 @@ class RoutingEngine(EngineDecorator):
         if self._route(None, kwargs) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(*self._raw_prompt(prompt), {**kwargs, **plugin}, priority)
+        ids, marks = self._raw_prompt(prompt)
+        return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
