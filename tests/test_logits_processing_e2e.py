@@ -140,6 +140,8 @@ OPTIONS = {
     "frequency": {"frequency_penalty": 1.0},
     "repetition": {"extra_body": {"repetition_penalty": 1.5}},
     "logprobs": {"logprobs": True, "top_logprobs": 2},
+    "thinking": {"extra_body": {"thinking_token_budget": 3}, "logprobs": True},
+    "plain": {},
 }
 CODE = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\ndef main(argv=None):\n    parser = ",
         "for i in range(10):"]
@@ -170,6 +172,11 @@ def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(tmp_path: P
         without = _all(server)
         assert routing(server)["fallback"] == 0
     assert with_mtp == without
+    alone = with_mtp["alone"]
+    for name in ("logit_bias", "presence", "frequency", "repetition", "thinking"):
+        assert alone[name][0] != alone["plain"][0], name  # each option really changed the output
+    # the host's thinking-budget processor closed the reasoning after 3 tokens (the prompt opens it)
+    assert [t for t, _ in json.loads(alone["thinking"][1])][3] == "</think>"
     assert status["mtp"]["accepted"] > 0 and status["mtp"]["drafted"] > status["mtp"]["accepted"]  # drafts kept and rejected
     text, _ = with_mtp["alone"]["json"]
     assert isinstance(json.loads(text), dict)
