@@ -147,11 +147,12 @@ CODE = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os
         "for i in range(10):"]
 
 
-def _greedy(server: Server, name: str, prompt: str) -> tuple[str, str | None]:
+def _greedy(server: Server, name: str, prompt: str) -> tuple[str, str | None, str | None]:
     out = client(server).chat.completions.create(model=server.model, messages=[{"role": "user", "content": prompt}],
                                                  max_tokens=32, temperature=0, **OPTIONS[name])
     lp = out.choices[0].logprobs
-    return out.choices[0].message.content or "", json.dumps([(e.token, round(e.logprob, 3)) for e in lp.content]) if lp else None
+    entries = json.dumps([(e.token, round(e.logprob, 3)) for e in lp.content]) if lp else None
+    return out.choices[0].message.content or "", entries, out.choices[0].finish_reason
 
 
 def _all(server: Server) -> dict:
@@ -178,6 +179,6 @@ def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(tmp_path: P
     # the host's thinking-budget processor closed the reasoning after 3 tokens (the prompt opens it)
     assert [t for t, _ in json.loads(alone["thinking"][1])][3] == "</think>"
     assert status["mtp"]["accepted"] > 0 and status["mtp"]["drafted"] > status["mtp"]["accepted"]  # drafts kept and rejected
-    text, _ = with_mtp["alone"]["json"]
-    assert isinstance(json.loads(text), dict)
+    text, _, finish = alone["json"]
+    assert isinstance(json.loads(text), dict) and finish == "stop"  # the processor closed the JSON and ended it
     assert with_mtp["alone"]["logprobs"][1] is not None
