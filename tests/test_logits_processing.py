@@ -212,3 +212,18 @@ def test_fork_options_gives_each_row_its_own_processor_state(tiny):
     alone = [run(bundle, tok, [(0, p, _json_options(tok, 24))])[0][0] for p in prompts]
     got = run(bundle, tok, [(0, prompts[0], base), (0, prompts[1], fork_options(base))])
     assert [ids for ids, _ in got] == alone
+
+
+def test_pure_processing_steers_the_heads_drafts(tiny):
+    """A row's penalties and logit bias also shape the MTP head's drafts (they depend on tokens and logits
+    alone): with all but three tokens masked, the random head's drafts land among them and get accepted,
+    where its raw argmax over the whole vocabulary almost never would. Output equals plain decoding."""
+    bundle, tok = tiny
+    allowed = [101, 202, 303]
+    bias = {t: -1e9 for t in range(bundle.model.args.vocab_size) if t not in allowed}
+    opts = lambda: SamplingOptions(max_tokens=24, logits_processors=make_logits_processors(logit_bias=bias), frequency_penalty=0.5)  # noqa: E731
+    prompts = _prompts([4, 11])
+    plain = run(bundle, tok, [(0, p, opts()) for p in prompts])
+    decode = MTPDecode(bundle.mtp, k=2, adaptive=False)
+    assert run(bundle, tok, [(0, p, opts()) for p in prompts], decode) == plain
+    assert decode.accepted >= decode.drafted / 4

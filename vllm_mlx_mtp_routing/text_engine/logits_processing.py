@@ -53,6 +53,12 @@ class RowLogits:
             return RowLogits(options, prompt_ids, generated, stop_ids)
         return None
 
+    @property
+    def pure(self) -> bool:
+        """Whether the result depends on the tokens and logits alone (penalties, mlx-lm's logit-bias
+        closure): then it can steer drafts too, which are never verified with it."""
+        return all(isinstance(p, types.FunctionType) for p in self.processors)
+
     def ends(self, token: int, emitted: int) -> bool:
         """Whether the row finishes with ``token``, the ``emitted``-th of this step: a verify walk stops
         there, as plain decoding would (a stop string is found later, by the scheduler)."""
@@ -78,6 +84,17 @@ class RowLogits:
             ids, counts = np.unique(np.asarray(context, dtype=np.int64), return_counts=True)
             x[:, mx.array(ids)] -= mx.array(self.frequency * counts + self.presence, dtype=mx.float32)
         return x
+
+
+def steer_drafts(logits: mx.array, samplers: list[Any], drafting: list[bool], drafts: list[mx.array]) -> mx.array:
+    """The MTP head's logits [B, V] for the next draft, with each drafting row's pure processing
+    applied over its tokens and the drafts before (a better guess; every draft is verified anyway)."""
+    rows = [i for i, (s, d) in enumerate(zip(samplers, drafting)) if d and s.logits is not None and s.logits.pure]
+    if not rows:
+        return logits
+    before = mx.stack(drafts, axis=1).tolist() if drafts else [[] for _ in samplers]
+    steered = [samplers[i].logits(logits[i], before[i]) if i in rows else logits[i] for i in range(len(samplers))]
+    return mx.stack(steered).astype(logits.dtype)
 
 
 def fork_options(options: SamplingOptions) -> SamplingOptions:
