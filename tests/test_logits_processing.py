@@ -29,8 +29,9 @@ def _prompts(lengths, seed=0):
     return [rng.integers(10, 3000, size=n).tolist() for n in lengths]
 
 
-def run(bundle, tok, jobs, decode=None):
-    """jobs: [(arrival_step, prompt, options)] -> per job (token ids, logprob entries or None)."""
+def run(bundle, tok, jobs, decode=None, errors=None):
+    """jobs: [(arrival_step, prompt, options)] -> per job (token ids, logprob entries or None); a failed
+    job's error goes to ``errors`` (by index) when given, else fails the test."""
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=8, prefill_step_size=PREFILL, decode=decode)
     pending, step, outs = sorted(range(len(jobs)), key=lambda i: jobs[i][0]), 0, {}
     while pending or sched.has_work():
@@ -39,7 +40,9 @@ def run(bundle, tok, jobs, decode=None):
             sched.add(TextRequest(str(i), jobs[i][1], jobs[i][2]))
         for out in sched.step():
             ids, lps = outs.setdefault(int(out.request_id), ([], []))
-            assert out.finish_reason != "error", out.error
+            if errors is not None and out.finish_reason == "error":
+                errors[int(out.request_id)] = out.error
+            assert errors is not None or out.finish_reason != "error", out.error
             ids += out.new_token_ids
             if out.logprobs is not None:
                 assert len(out.logprobs) == len(out.new_token_ids)
@@ -227,3 +230,30 @@ def test_pure_processing_steers_the_heads_drafts(tiny):
     decode = MTPDecode(bundle.mtp, k=2, adaptive=False)
     assert run(bundle, tok, [(0, p, opts()) for p in prompts], decode) == plain
     assert decode.accepted >= decode.drafted / 4
+
+
+class Failing:
+    """A processor that raises at its third call (e.g. a grammar left with no allowed token)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, tokens, logits):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("no allowed token")
+        return logits
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_a_processor_fault_fails_its_row_alone(tiny, mtp):
+    bundle, tok = tiny
+    prompts = _prompts([5, 12, 7], seed=4)
+    plain = run(bundle, tok, [(0, p, SamplingOptions(max_tokens=10)) for p in prompts])
+    decode = MTPDecode(bundle.mtp, k=2, adaptive=False) if mtp else None
+    errors: dict[int, str] = {}
+    jobs = [(0, prompts[0], SamplingOptions(max_tokens=10)), (0, prompts[1], SamplingOptions(max_tokens=10, logits_processors=[Failing()])),
+            (0, prompts[2], SamplingOptions(max_tokens=10, presence_penalty=0.0))]
+    got = run(bundle, tok, jobs, decode, errors)
+    assert list(errors) == [1] and "no allowed token" in errors[1]
+    assert got[0] == plain[0] and got[2] == plain[2]
