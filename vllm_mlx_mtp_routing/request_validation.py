@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import RequestRejected
+from .text_engine.sampling import MAX_TOP_LOGPROBS
 
 SEED_LIMIT = 2**64
-MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 
