@@ -62,7 +62,7 @@ PENALTIES = [
 def test_each_penalty_matches_reference_and_applies_to_its_row_only(tiny):
     bundle, tok = tiny
     prompts = _prompts([6, 19, 33, 4], seed=3)
-    n = 24
+    n = 16
     plain = [ids for ids, _ in run(bundle, tok, [(0, p, SamplingOptions(max_tokens=n)) for p in prompts])]
     eos = eos_ids_of(tok)
     for pen in PENALTIES:

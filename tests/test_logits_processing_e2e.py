@@ -149,7 +149,7 @@ CODE = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os
 
 def _greedy(server: Server, name: str, prompt: str) -> tuple[str, str | None, str | None]:
     out = client(server).chat.completions.create(model=server.model, messages=[{"role": "user", "content": prompt}],
-                                                 max_tokens=32, temperature=0, **OPTIONS[name])
+                                                 max_tokens=24, temperature=0, **OPTIONS[name])
     lp = out.choices[0].logprobs
     entries = json.dumps([(e.token, round(e.logprob, 3)) for e in lp.content]) if lp else None
     return out.choices[0].message.content or "", entries, out.choices[0].finish_reason
@@ -159,7 +159,7 @@ def _all(server: Server) -> dict:
     alone = {name: _greedy(server, name, CODE[0]) for name in OPTIONS}
     with ThreadPoolExecutor(4) as pool:  # a batch of 4, each row with its own option
         batched = {names: list(pool.map(lambda a: _greedy(server, *a), zip(names, CODE)))
-                   for names in (("json", "logit_bias", "presence", "logprobs"), ("frequency", "repetition", "json", "logit_bias"))}
+                   for names in (("json", "logit_bias", "presence", "logprobs"), ("frequency", "repetition", "thinking", "plain"))}
     return {"alone": alone, "batched": batched}
 
 
