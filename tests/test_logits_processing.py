@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 from vllm_mlx.api.tool_calling import build_json_logits_processor
 
-from logits_reference import generated_logprobs, reference_greedy
+from logits_reference import direct_logits, generated_logprobs, reference_greedy
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 from vllm_mlx_mtp_routing.text_engine.logits_processing import fork_options
@@ -257,3 +257,34 @@ def test_a_processor_fault_fails_its_row_alone(tiny, mtp):
     got = run(bundle, tok, jobs, decode, errors)
     assert list(errors) == [1] and "no allowed token" in errors[1]
     assert got[0] == plain[0] and got[2] == plain[2]
+
+
+def test_sampled_rows_under_mtp_keep_the_processed_distribution(tiny):
+    """Speculative sampling of processed rows: with the hook drafting one fixed token every step, a
+    row's first token must still follow the processed distribution p (accepted with p(d), else drawn
+    from p without d). 256 seeded rows against p from a direct forward, repetition penalty and mask applied."""
+    bundle, tok = tiny
+    prompt = _prompts([6], seed=7)[0]
+    allowed = [101, 202, 303, 404]
+    bias = {t: -1e9 for t in range(bundle.model.args.vocab_size) if t not in allowed}
+    x = direct_logits(bundle.model, prompt)[-1]
+    seen = sorted(set(prompt))
+    x[seen] = np.where(x[seen] < 0, x[seen] * 1.3, x[seen] / 1.3)
+    p = np.exp(x[allowed] - x[allowed].max())
+    p /= p.sum()
+
+    def hook(histories, drafts):
+        return [None if d is None else [allowed[0]] * len(d) for d in drafts]
+
+    decode = MTPDecode(bundle.mtp, k=1, adaptive=False, draft_hook=hook)
+    opts = lambda s: SamplingOptions(max_tokens=2, temperature=1.0, seed=s, repetition_penalty=1.3,  # noqa: E731
+                                     logits_processors=make_logits_processors(logit_bias=bias))
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=256, prefill_step_size=PREFILL, decode=decode)
+    for s in range(256):
+        sched.add(TextRequest(str(s), prompt, opts(s)))
+    firsts = []
+    while sched.has_work():
+        firsts += [o.token_ids[0] for o in sched.step() if o.finished]
+    freq = np.array([firsts.count(t) for t in allowed]) / len(firsts)
+    assert len(firsts) == 256 and 0 < decode.accepted < decode.drafted  # the draft was kept and rejected
+    assert np.abs(freq - p).sum() / 2 < 0.08, (freq, p)
