@@ -76,6 +76,9 @@ def test_logit_bias_removes_the_greedy_token(server: Server, tiny) -> None:
     ref = reference_greedy(bundle.model, prompt, 8, bias={first: -100.0}, eos=eos_ids_of(tok))
     assert first not in ref and ref != greedy
     assert [c.token for c in out.choices[0].logprobs.content] == [tok.decode([t]) for t in ref if t not in eos_ids_of(tok)]
+    for bad in ({"999999": -100}, {str(first): -101}):  # an id past the logits, a bias out of OpenAI's range
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client(server).chat.completions.create(model=server.model, messages=messages, max_tokens=2, logit_bias=bad)
     # completions too (the host's request model has no logit_bias; the plugin builds the host's processor)
     plain = encode(tok, PROMPT)
     first = reference_greedy(bundle.model, plain, 1)[0]

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from vllm_mlx_mtp_routing.errors import RequestRejected
-from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_parameters
+from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
 from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
 
@@ -74,6 +74,17 @@ def test_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(RequestRejected) as info:
         validate_parameters({field: value})
     assert info.value.status_code == 400 and info.value.message.startswith(field)
+
+
+@pytest.mark.parametrize("value,message", [
+    ([1], "must be an object"), ({"x": 1}, "keys must be token ids"), ({"-1": 1}, "outside the vocabulary"),
+    ({"4096": 1}, "outside the vocabulary"), ({"5": 101}, "in [-100, 100]"), ({"5": "a"}, "finite number"),
+])
+def test_logit_bias_validation(value: object, message: str) -> None:
+    with pytest.raises(RequestRejected) as info:
+        validate_logit_bias(value, 4096)
+    assert info.value.status_code == 400 and message in info.value.message
+    validate_logit_bias({"0": -100, "4095": 100.0}, 4096)
 
 
 def test_validation_accepts_edges() -> None:

@@ -16,7 +16,7 @@ from .errors import RequestRejected
 from .flag_types import int_at_least, non_negative
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
-from .request_validation import body_sampling_options, validate_inline_images, validate_parameters
+from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
@@ -36,6 +36,7 @@ class _State:
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None
     warm_prompts: str | None = None
+    vocab_size: int | None = None  # the loaded model's, for logit_bias ids
 
 
 STATE = _State()
@@ -204,6 +205,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     from .text_engine.prefill_budget import calibrate
 
     vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
+    STATE.vocab_size = vocab
     router.prefill_budget = calibrate(
         bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
     )
@@ -263,6 +265,7 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
         except ValueError:
             raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
     validate_parameters(request.body, request.options)
+    validate_logit_bias(request.body.get("logit_bias"), STATE.vocab_size)
     validate_inline_images(request.body.get("messages") if request.body else request.messages)
     seed = request.body.get("seed")
     if seed is not None:

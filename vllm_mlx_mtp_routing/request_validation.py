@@ -122,6 +122,24 @@ CHECKS: dict[str, Callable[[Any], None]] = {
 }
 
 
+def validate_logit_bias(value: Any, vocab_size: int | None) -> None:
+    """400 unless ``logit_bias`` maps token ids of the vocabulary to numbers in [-100, 100] (as OpenAI):
+    an id outside it would index past the logits."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise RequestRejected(400, f"logit_bias must be an object mapping token ids to numbers, got {value!r}")
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestRejected(400, f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestRejected(400, f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
+        x = _number(f"logit_bias[{key!r}]", bias)
+        _in_range(f"logit_bias[{key!r}]", x, -100 <= x <= 100, "in [-100, 100]")
+
+
 def body_sampling_options(method: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """What the host's request models drop that the text path serves: ``frequency_penalty`` and
     ``logprobs`` (chat: ``logprobs: true`` with ``top_logprobs: N``; completions: ``logprobs: N``)."""
