@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
+from .fallbacks import FallbackReasons
 from .host import asgi
 from .host import engine_access as host
 from .host import usage as host_usage
@@ -124,7 +125,7 @@ class RoutingEngine(EngineDecorator):
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes",
+        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes", "fallbacks",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -133,6 +134,7 @@ class RoutingEngine(EngineDecorator):
         self.text_engine: Any = None
         self.tokenizer_for_text: Any = None
         self.routes: Counter[str] = Counter(text=0, media=0, fallback=0)
+        self.fallbacks = FallbackReasons()
         self.disabled_reason: str | None = "model not loaded yet"
         self.admission: Any = None  # an admission.AdmissionController once the model is loaded
         self.tokens_per_media_item = 0
@@ -170,13 +172,20 @@ class RoutingEngine(EngineDecorator):
         return getattr(self.mtp_decode, "k", 0) > 0  # an MTPDecode, not a status-only placeholder
 
     def _route(self, messages: list[dict[str, Any]] | None, options: dict[str, Any]) -> str:
+        reason = None
         if has_media(messages, options):
             route = "media"
-        elif self.text_engine is None or text_path_gap(options, text_mtp=self.text_path_drafts) is not None:
+        elif self.text_engine is None:
+            route, reason = "fallback", f"text path off: {self.disabled_reason}"
+        elif (reason := text_path_gap(options, text_mtp=self.text_path_drafts)) is not None:
             route = "fallback"
         else:
             route = "text"
-        self.routes[route] += 1
+        sibling = getattr(asgi.current(), "sibling", None)
+        if sibling is None or sibling.index == 0:  # the n copies of one request count once
+            self.routes[route] += 1
+            if reason is not None:
+                self.fallbacks.note(reason)
         return route
 
     def _encode(self, prompt: str) -> list[int]:
@@ -263,11 +272,13 @@ class RoutingEngine(EngineDecorator):
         ctx = asgi.current()
         if ctx is not None:
             ctx.cancel = lambda: engine.abort_now(rid)
+        sibling = getattr(ctx, "sibling", None)
         try:
             request_id = await engine.add_request(
                 prompt_ids, sampling, rid, snapshot_at,
                 # the prefill working set is given back once the row joins the batch
                 on_joined=ticket.prefill_done if ticket is not None else None,
+                share=sibling.share if sibling is not None else None,  # OpenAI n: the rows prefill once
             )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
@@ -333,7 +344,8 @@ class RoutingEngine(EngineDecorator):
         if self._route(None, kwargs) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
             return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(*self._raw_prompt(prompt), {**kwargs, **plugin}, priority)
+        ids, marks = self._raw_prompt(prompt)
+        return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
@@ -390,6 +402,7 @@ class RoutingEngine(EngineDecorator):
 
     def routing_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"routing": dict(self.routes), "text_path": self.disabled_reason is None}
+        stats["fallback_reasons"] = self.fallbacks.counts()
         if self.disabled_reason is not None:
             stats["text_path_disabled_reason"] = self.disabled_reason
         if self.text_engine is not None:
