@@ -135,6 +135,22 @@ def test_streaming_detokenizer_holds_partial_utf8(tiny_text):
     assert released == tok.decode(ids) == text
 
 
+@pytest.mark.parametrize("cut", [1, 2, 3])  # inside "😀" (4 bytes): after its 1st, 2nd, 3rd byte
+def test_generation_cut_inside_a_character_ends_without_replacement(tiny_text, cut):
+    tok = tiny_text[1]
+    ids = tok.encode("ok 😀")
+    whole = tok.encode("ok ")
+    assert ids[: len(whole)] == whole and len(ids) == len(whole) + 4  # one byte token per byte of the emoji
+    st = StopText(tok, [])
+    released = ""
+    for t in ids[: len(whole) + cut]:
+        st.add(t)
+        released += st.take_new(final=False)
+    st.finish()
+    released += st.take_new(final=True)
+    assert released == "ok "  # the half character is dropped, never emitted as U+FFFD
+
+
 def test_abort_waiting_prefilling_and_running(tiny_text):
     model, tok = tiny_text
     rng = np.random.default_rng(0)
