@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
+from . import stop_strings
 from .fallbacks import FallbackReasons
 from .host import asgi
 from .host import engine_access as host
@@ -171,7 +172,7 @@ class RoutingEngine(EngineDecorator):
     def text_path_drafts(self) -> bool:
         return getattr(self.mtp_decode, "k", 0) > 0  # an MTPDecode, not a status-only placeholder
 
-    def _route(self, messages: list[dict[str, Any]] | None, options: dict[str, Any]) -> str:
+    def _route(self, messages: list[dict[str, Any]] | None, options: dict[str, Any], plugin: dict[str, Any] | None = None) -> str:
         reason = None
         if has_media(messages, options):
             route = "media"
@@ -186,6 +187,8 @@ class RoutingEngine(EngineDecorator):
             self.routes[route] += 1
             if reason is not None:
                 self.fallbacks.note(reason)
+            if route != "text" and (plugin or {}).get("seed") is not None and float(options.get("temperature") or 0.0) > 0:
+                self.fallbacks.ignored("seed")
         return route
 
     def _encode(self, prompt: str) -> list[int]:
@@ -321,18 +324,22 @@ class RoutingEngine(EngineDecorator):
     async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         plugin, priority = _split_plugin_options(kwargs)
         messages = normalize_messages(messages)
-        if self._route(messages, kwargs) != "text":
+        if self._route(messages, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
-            return await self._media_result(lambda: self.wrapped.chat(messages=messages, **kwargs), tokens, kwargs, priority)
+            stops = stop_strings.of(kwargs)  # the host drops stop strings on this path: applied here
+            call = (lambda: stop_strings.result(self.wrapped.stream_chat(messages=messages, **kwargs), stops)) if stops else (
+                lambda: self.wrapped.chat(messages=messages, **kwargs))
+            return await self._media_result(call, tokens, kwargs, priority)
         ids, marks = self._text_prompt(messages, kwargs)
         return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
         messages = normalize_messages(messages)
-        if self._route(messages, kwargs) != "text":
+        if self._route(messages, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
-            async for out in self._media_stream(lambda: self.wrapped.stream_chat(messages=messages, **kwargs), tokens, kwargs, priority):
+            stream = lambda: stop_strings.cut(self.wrapped.stream_chat(messages=messages, **kwargs), stop_strings.of(kwargs))  # noqa: E731
+            async for out in self._media_stream(stream, tokens, kwargs, priority):
                 yield out
             return
         ids, marks = self._text_prompt(messages, kwargs)
@@ -341,17 +348,21 @@ class RoutingEngine(EngineDecorator):
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
         plugin, priority = _split_plugin_options(kwargs)
-        if self._route(None, kwargs) != "text":
+        if self._route(None, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
-            return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
+            stops = stop_strings.of(kwargs)
+            call = (lambda: stop_strings.result(self.wrapped.stream_generate(prompt=prompt, **kwargs), stops)) if stops else (
+                lambda: self.wrapped.generate(prompt=prompt, **kwargs))
+            return await self._media_result(call, tokens, kwargs, priority)
         ids, marks = self._raw_prompt(prompt)
         return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
-        if self._route(None, kwargs) != "text":
+        if self._route(None, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
-            async for out in self._media_stream(lambda: self.wrapped.stream_generate(prompt=prompt, **kwargs), tokens, kwargs, priority):
+            stream = lambda: stop_strings.cut(self.wrapped.stream_generate(prompt=prompt, **kwargs), stop_strings.of(kwargs))  # noqa: E731
+            async for out in self._media_stream(stream, tokens, kwargs, priority):
                 yield out
             return
         ids, marks = self._raw_prompt(prompt)
@@ -403,6 +414,7 @@ class RoutingEngine(EngineDecorator):
     def routing_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"routing": dict(self.routes), "text_path": self.disabled_reason is None}
         stats["fallback_reasons"] = self.fallbacks.counts()
+        stats["host_path_ignored"] = self.fallbacks.ignored_counts()
         if self.disabled_reason is not None:
             stats["text_path_disabled_reason"] = self.disabled_reason
         if self.text_engine is not None:
