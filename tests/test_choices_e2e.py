@@ -172,6 +172,17 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
     assert after["media"] - before["media"] == 4 and after["text"] == before["text"]
 
 
+def test_anthropic_stop_sequences_are_honoured(server: Server) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    kw = {"model": server.model, "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}], "extra_body": {"temperature": 0}}
+    full = client.messages.create(**kw).content[0].text
+    stop = full[5:8]
+    out = client.messages.create(**kw, stop_sequences=[stop])
+    assert out.content[0].text == full[: full.find(stop)] and out.stop_reason == "end_turn"
+
+
 def test_bad_n_and_a_refused_copy_are_plain_errors(server: Server) -> None:
     body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     assert httpx.post(f"{server.url}/v1/chat/completions", json={**body, "n": 0}).status_code == 400

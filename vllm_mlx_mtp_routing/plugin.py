@@ -249,7 +249,8 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
 
 @hookimpl
 def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
-    """Carry what the host's request models drop: the priority header and the OpenAI ``seed`` field."""
+    """Carry what the host's request models drop: the priority header, the OpenAI ``seed`` field and
+    Anthropic's ``stop_sequences``."""
     if not STATE.routing_active:
         return
     value = request.headers.get(PRIORITY_HEADER)
@@ -263,6 +264,9 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
     seed = request.body.get("seed")
     if seed is not None:
         request.options["seed"] = int(seed)
+    stops = request.body.get("stop_sequences")  # Anthropic's stop list: the host drops it (vllm-mlx 0.6.0)
+    if stops and not request.options.get("stop"):
+        request.options["stop"] = [stops] if isinstance(stops, str) else list(stops)
 
 
 @hookimpl
