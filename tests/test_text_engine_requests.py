@@ -57,7 +57,8 @@ def test_max_tokens_and_usage(tiny_text, prompt, reference):
     assert final.finish_reason == "length"
     assert final.token_ids == reference[0][:5]
     assert final.prompt_tokens == len(prompt) and final.completion_tokens == 5
-    assert final.text == tiny_text[1].decode(final.token_ids)
+    # this cut falls inside a character: its bytes are dropped, never emitted as U+FFFD
+    assert final.text == tiny_text[1].decode(final.token_ids).removesuffix("\ufffd")
     _assert_stream_consistent(outs)
 
 
