@@ -1,5 +1,9 @@
 """Request context for hooks, the request's lifetime, and refusals that stay plain HTTP errors for streams.
 
+A generation request's body is read before the host's handler runs (request_body.py): its JSON is kept on the
+context for the hooks, and a request for n > 1 choices is served as n copies, each with its own context
+(choices.py).
+
 Lifetime. Whatever a request holds (an admission slot, a text-engine row) is released when its
 ASGI call ends, however it ends: the middleware runs the callbacks registered with
 ``on_request_end`` in its own ``finally``. A generator's ``finally`` is not enough: on a client
