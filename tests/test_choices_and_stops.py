@@ -105,6 +105,8 @@ def test_max_completion_tokens_fills_max_tokens() -> None:
     for bad in (0, -1, "5", True, None):
         body = {"max_completion_tokens": bad}
         assert not request_body.fill_aliases(body) and "max_tokens" not in body
+    body = {"stop": "END"}
+    assert request_body.fill_aliases(body) and body == {"stop": ["END"]}
 
 
 def test_stop_cut_across_deltas() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from vllm_mlx.api.utils import clean_output_text  # what the host does to a non-streamed text
 
 from vllm_mlx_mtp_routing.plugin import eos_token_ids
 from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve
@@ -57,9 +58,7 @@ def reference(tiny, tiny_vlm_fp32: Path):
 
 
 def text_of(tok, ids: list[int]) -> str:
-    """As the server's non-streamed text: decoded and cleaned by the host (vllm-mlx's clean_output_text)."""
-    from vllm_mlx.api.utils import clean_output_text
-
+    """As the server's non-streamed text: decoded and cleaned by the host."""
     return clean_output_text(tok.decode(ids))
 
 
@@ -128,6 +127,10 @@ def test_max_completion_tokens(server: Server, client: openai.OpenAI) -> None:
     assert both.usage.completion_tokens == 4
     r = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_completion_tokens": 2})
     assert r.json()["usage"]["completion_tokens"] == 2
+    # stop as one string, as OpenAI allows it (the host's request model wants a list)
+    full = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    cut = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=full[3:6])
+    assert cut.choices[0].text == clean_output_text(full[: full.find(full[3:6])]) and cut.choices[0].finish_reason == "stop"
 
 
 def _cut_inside_a_character(run, tok) -> tuple[int, int]:

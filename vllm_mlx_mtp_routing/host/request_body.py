@@ -35,13 +35,18 @@ def parse(raw: bytes) -> dict[str, Any] | None:
 
 def fill_aliases(body: dict[str, Any]) -> bool:
     """``max_completion_tokens`` (OpenAI's name since max_tokens was deprecated) becomes ``max_tokens``,
-    which the host reads; it wins over ``max_tokens`` as in vLLM. An invalid value is left for the
+    which the host reads; it wins over ``max_tokens`` as in vLLM. ``stop`` given as one string (OpenAI
+    allows it; the host's model wants a list: 422) becomes a list. An invalid value is left for the
     parameter check to name. True when the body changed."""
+    changed = False
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+        changed = True
     value = body.get("max_completion_tokens")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or body.get("max_tokens") == value:
-        return False
+        return changed
     body["max_tokens"] = value
     return True
 
