@@ -274,10 +274,8 @@ class _StreamMerge(_Merge):
                 self.finished.add(j)
         if "usage" in obj:
             # the finishing chunk of the last choice carries the whole request's usage
-            last = len(self.finished) == self.n and obj.get("usage") is not None and self.usage_chunk is None
+            last = len(self.finished) == self.n and obj.get("usage") is not None
             obj["usage"] = merged_usage([self.usage.get(i) for i in range(self.n)]) if last else None
-            if obj["usage"] is None and "usage" not in _KEEPS_NULL_USAGE.get(str(obj.get("object")), ()):
-                del obj["usage"]
         return _event(obj)
 
     def note_response_id(self, response_id: str) -> None:
@@ -286,9 +284,6 @@ class _StreamMerge(_Merge):
         self.parent.response_id = response_id
         asgi.LIVE[response_id] = self.parent
 
-
-# The host's chat chunks always carry a usage key (null until the end); its completion chunks only at the end.
-_KEEPS_NULL_USAGE = {"chat.completion.chunk": ("usage",)}
 
 
 def _event(obj: dict[str, Any]) -> str:
