@@ -140,3 +140,8 @@ def test_cut_ends_the_host_stream_at_the_stop() -> None:
     outs = asyncio.run(collect())
     assert "".join(o.new_text for o in outs) == "hell" and outs[-1].finish_reason == "stop" and outs[-1].finished
     assert closed == [True]
+
+    async def untouched():
+        return [o async for o in cut(host(), [])]
+
+    assert [o.new_text for o in asyncio.run(untouched())] == ["he", "llo wo", "rld"]

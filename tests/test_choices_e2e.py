@@ -164,6 +164,8 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
     assert cut.choices[0].message.content == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
     stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0, stop=[stop], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full[: full.find(stop)]
+    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full  # no stop: untouched
 
     parts = [{"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": image}]
     response = client.responses.create(model=server.model, input=[{"role": "user", "content": parts}], max_output_tokens=16, temperature=0)
@@ -172,7 +174,7 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
         {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
     assert bad.status_code == 400 and "file_id" in bad.json()["error"]["message"]
     after = plugin_stats(server)["routing"]
-    assert after["media"] - before["media"] == 4 and after["text"] == before["text"]
+    assert after["media"] - before["media"] == 5 and after["text"] == before["text"]
 
 
 def test_anthropic_stop_sequences_are_honoured(server: Server) -> None:

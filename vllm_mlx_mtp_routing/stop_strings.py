@@ -41,7 +41,11 @@ class StopCut:
 
 
 async def cut(stream: AsyncIterator[Any], stops: list[str]) -> AsyncIterator[Any]:
-    """The host's ``GenerationOutput`` stream, ended at the first stop string."""
+    """The host's ``GenerationOutput`` stream, ended at the first stop string (as it is without any)."""
+    if not stops:
+        async for out in stream:
+            yield out
+        return
     state = StopCut(stops)
     try:
         async for out in stream:
