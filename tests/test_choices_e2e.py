@@ -212,6 +212,26 @@ def test_client_gone_mid_stream_frees_every_row(server: Server) -> None:
     assert stats["text_engine"]["running"] == stats["text_engine"]["waiting"] == 0 and stats["admission"]["running"] == 0
 
 
+def test_n_choices_carry_the_requests_own_options(server, client, reference) -> None:
+    """Each choice is a whole copy of the request: logit_bias, penalties and logprobs apply to every choice,
+    each choice with its own processor state, streamed or not, with no fallback."""
+    pytest.importorskip("vllm_mlx_mtp_routing.text_engine.logits_processing")  # per-row processors on the text path
+    run, tok = reference
+    first = run(PROMPT, SamplingOptions(max_tokens=1), False)[0]
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logit_bias": {str(first): -100},
+          "presence_penalty": 1.0, "logprobs": 2}
+    one = client.completions.create(**kw).choices[0]
+    both = client.completions.create(n=2, **kw).choices
+    assert [c.text for c in both] == [one.text] * 2 and [c.logprobs.tokens for c in both] == [one.logprobs.tokens] * 2
+    assert one.logprobs.tokens[0] != tok.decode([first])  # the bias removed the greedy token
+    streamed: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in client.completions.create(n=2, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.logprobs.tokens if c.logprobs else []
+    assert streamed == {0: one.logprobs.tokens, 1: one.logprobs.tokens}
+    assert plugin_stats(server)["routing"]["fallback"] == 0
+
+
 def test_no_fallback_over_the_run(server: Server) -> None:
     stats = plugin_stats(server)
     assert stats["routing"]["fallback"] == 0 and stats["fallback_reasons"] == {}
