@@ -167,6 +167,11 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
     stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0, stream=True)
     assert clean_output_text("".join(c.choices[0].delta.content or "" for c in stream if c.choices)) == full  # untouched
 
+    # the mlx-vlm path's greedy output for this request is cut inside a character at 40 tokens
+    cut_messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image_url", "image_url": {"url": png_data_url((9, 9, 9))}}]}]
+    long = client.chat.completions.create(model=server.model, messages=cut_messages, max_tokens=40, temperature=0).choices[0]
+    assert long.finish_reason == "length" and "\ufffd" in long.message.content and not long.message.content.endswith("\ufffd")
+
     parts = [{"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": image}]
     response = client.responses.create(model=server.model, input=[{"role": "user", "content": parts}], max_output_tokens=16, temperature=0)
     assert response.output_text == full  # the image was seen, as in the chat request
@@ -174,7 +179,7 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
         {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
     assert bad.status_code == 400 and "file_id" in bad.json()["error"]["message"]
     after = plugin_stats(server)["routing"]
-    assert after["media"] - before["media"] == 5 and after["text"] == before["text"]
+    assert after["media"] - before["media"] == 6 and after["text"] == before["text"]
 
 
 def test_anthropic_stop_sequences_are_honoured(server: Server) -> None:

@@ -21,6 +21,7 @@ from . import stop_strings
 from .fallbacks import FallbackReasons
 from .host import asgi
 from .host import engine_access as host
+from .host import output_text as host_output
 from .host import usage as host_usage
 from .normalize import normalize_messages
 from .request_validation import fit_to_context
@@ -305,7 +306,7 @@ class RoutingEngine(EngineDecorator):
     async def _media_result(self, call: Any, tokens: int, options: dict[str, Any], priority: int) -> Any:
         ticket = await self._admit("media", tokens, options, priority)
         try:
-            return await _host_call(call())
+            return host_output.without_cut_character(await _host_call(call()))
         finally:
             if ticket is not None:
                 ticket.release()
