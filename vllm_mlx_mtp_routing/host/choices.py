@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestRejected
 from ..text_engine.shared_prefill import SharedPrefill
-
-logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
 CHOICE_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_CHOICES = 16
