@@ -255,7 +255,7 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
 @hookimpl
 def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
     """Carry what the host's request models drop: the priority header, the OpenAI ``seed``,
-    ``frequency_penalty`` and ``logprobs`` fields, and ``logit_bias`` on completions."""
+    ``frequency_penalty`` and ``logprobs`` fields, ``logit_bias`` on completions, and Anthropic's ``stop_sequences``."""
     if not STATE.routing_active:
         return
     value = request.headers.get(PRIORITY_HEADER)
@@ -270,6 +270,9 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
     seed = request.body.get("seed")
     if seed is not None:
         request.options["seed"] = int(seed)
+    stops = request.body.get("stop_sequences")  # Anthropic's stop list: the host drops it (vllm-mlx 0.6.0)
+    if stops and not request.options.get("stop"):
+        request.options["stop"] = [stops] if isinstance(stops, str) else list(stops)
     request.options.update(body_sampling_options(request.method, request.body))
     if request.method in ("generate", "stream_generate") and request.body.get("logit_bias"):
         engine_access.attach_logit_bias(request.options, request.body["logit_bias"])

@@ -28,6 +28,7 @@ from .logits_processing import RowLogits
 from .logprobs import TokenLogprob
 from .outputs import TextOutput
 from .sampling import RowSampler, SamplingOptions
+from .shared_prefill import SharedPrefill
 
 
 @dataclass
@@ -40,6 +41,8 @@ class TextRequest:
     snapshot_at: list[tuple[int, str]] = field(default_factory=list)
     # Called once when the request's prefill is done and it joins the decode batch.
     on_joined: Callable[[], None] | None = None
+    # One of the n rows of a request (OpenAI ``n``): the rows prefill once (shared_prefill.py).
+    share: SharedPrefill | None = None
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Row:
         self.accepted = 0
         self.plan: Any = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
+        self.shared_prefill = False  # started from the prefill of another row of its request
 
     @property
     def prefilled(self) -> int:
