@@ -26,8 +26,11 @@ from .mlx_lm_internals import (
     create_ssm_mask,
     gated_delta_kernel,
     gated_delta_step,
+    gated_delta_update,
+    GatedDeltaNet,
     ssm_cache_index,
 )
+from .recurrence import fused_available, gated_delta_fused
 
 
 def lm_head(text_model: Any, h: mx.array) -> mx.array:
@@ -37,16 +40,24 @@ def lm_head(text_model: Any, h: mx.array) -> mx.array:
 
 
 def _recurrence_with_states(
-    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array | None
+    lin: nn.Module,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None = None,
 ) -> tuple[mx.array, list[mx.array]]:
     """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
 
-    mlx-lm's ``gated_delta_update`` computes the gates and the GQA repeat once per call and then
-    (CPU, CUDA) loops its compiled single step over the positions, or (Metal) runs one fused
-    kernel over all of them. The capture does the same loop with the per-position states kept:
-    gates and repeat once, then one step per position (the fused kernel over one position on
-    Metal). Calling ``gated_delta_update`` per position instead repeated the gates and the repeat
-    S times, ~36 more launches per verify step, which a launch-bound GPU pays in full.
+    CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept.
+    Elsewhere mlx-lm's ``gated_delta_update`` computes the gates and the GQA repeat once per call
+    and then (CPU) loops its compiled single step over the positions, or (Metal) runs one fused
+    kernel over all of them; the capture does the same loop with the per-position states kept:
+    gates and repeat once, then one step per position (the Metal kernel over one position).
+    Calling ``gated_delta_update`` per position instead repeated the gates and the repeat S times,
+    ~36 more launches per verify step, which a launch-bound GPU pays in full.
     """
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
@@ -54,13 +65,18 @@ def _recurrence_with_states(
     g = compute_g(lin.A_log, a, lin.dt_bias)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    fused = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
-    if not fused and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
+    if not lin.training and fused_available():
+        y, states = gated_delta_fused(q, k, v, g, beta, state, mask=mask, capture=True)
+        return y, [states[:, t] for t in range(S)]
+    if mask is not None:
+        raise ValueError("capturing gated-delta states needs unmasked (unpadded) rows")
+    metal = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
+    if not metal and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
     ys, states = [], []
     for t in range(S):
         s = slice(t, t + 1)
-        if fused:
+        if metal:
             y, state = gated_delta_kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
         else:
             y, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
@@ -70,18 +86,41 @@ def _recurrence_with_states(
     return mx.concatenate(ys, axis=1), states
 
 
-def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
-    """mlx-lm's ``GatedDeltaNet.__call__`` (unmasked, unsharded), also returning the conv window
-    input and the recurrent state after every position."""
+def _recurrence(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: Any, mask: Any
+) -> tuple[mx.array, mx.array]:
+    """The recurrence without capture: the fused kernel on CUDA, mlx-lm's own call elsewhere
+    (so CPU and Metal run exactly what mlx-lm's model runs)."""
+    if not lin.training and fused_available():
+        if state is None:
+            B, _, _, Dk = q.shape
+            state = mx.zeros((B, *v.shape[-2:], Dk), dtype=mx.float32)
+        g = compute_g(lin.A_log, a, lin.dt_bias)
+        return gated_delta_fused(q, k, v, g, mx.sigmoid(b), state, mask=mask)
+    return gated_delta_update(q, k, v, a, b, lin.A_log, lin.dt_bias, state, mask, use_kernel=not lin.training)
+
+
+def gated_delta_layer(
+    lin: nn.Module, x: mx.array, mask: mx.array | None, cache: Any, capture: bool = False
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) with the recurrence chosen above -> (output,
+    the conv window input, with ``capture`` the recurrent state after every position)."""
     B, S, _ = x.shape
     qkv = lin.in_proj_qkv(x)
     z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     b = lin.in_proj_b(x)
     a = lin.in_proj_a(x)
     n_keep = lin.conv_kernel_size - 1
-    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
+    conv_state = cache[0] if cache is not None and cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    if cache is not None:
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
     conv_out = nn.silu(lin.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -94,10 +133,41 @@ def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.ar
     inv_scale = k.shape[-1] ** -0.5
     q = (inv_scale**2) * mx.fast.rms_norm(q, None, 1e-6)
     k = inv_scale * mx.fast.rms_norm(k, None, 1e-6)
-    y, states = _recurrence_with_states(lin, q, k, v, a, b, cache[1])
-    cache[1] = states[-1]
+    state = cache[1] if cache else None
+    if capture:
+        y, states = _recurrence_with_states(lin, q, k, v, a, b, state, mask)
+        final = states[-1]
+    else:
+        y, final = _recurrence(lin, q, k, v, a, b, state, mask)
+        states = []
+    if cache is not None:
+        cache[1] = final
+        cache.advance(S)
     out = lin.norm(y, z)
     return lin.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """mlx-lm's gated-delta layer with the fused CUDA recurrence: the class the text model's
+    linear-attention layers take on a CUDA device (text_model.use_fused_recurrence)."""
+
+    def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        return gated_delta_layer(self, inputs, mask, cache)[0]
+
+
+def use_fused_recurrence(model: nn.Module) -> int:
+    """On MLX's CUDA backend, give the model's gated-delta layers the fused recurrence; the
+    arithmetic is mlx-lm's, position by position, so outputs match it to rounding. Returns how
+    many layers changed (0 off CUDA)."""
+    if not fused_available():
+        return 0
+    n = 0
+    for layer in model.model.layers:
+        lin = getattr(layer, "linear_attn", None)
+        if type(lin) is GatedDeltaNet and lin.sharding_group is None:
+            lin.__class__ = FusedGatedDeltaNet
+            n += 1
+    return n
 
 
 @dataclass
@@ -134,7 +204,7 @@ def backbone_forward(
         elif not capture:
             h = layer(h, mask=ssm_mask, cache=c)
         else:
-            r, conv_input, states = _gated_delta_capture(layer.linear_attn, layer.input_layernorm(h), c)
+            r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c, capture=True)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             captured.append(Captured(c, conv_input, states))
