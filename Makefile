@@ -22,8 +22,10 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python scripts/demo.py
 
+# Two workers (pytest-xdist): the suite is mostly server subprocesses and their clients taking turns on the CPU.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 $(VENV)/.bench: $(STAMP)
 	$(BIN)/pip install -q "matplotlib>=3.7"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 # Set before any test module imports transformers/mlx_vlm: nothing may reach the hub.
@@ -15,13 +16,40 @@ import pytest
 from vllm_mlx_mtp_routing.testing.tiny_model import tiny_model_dir
 
 
+# `make test` runs the suite on two workers (pytest-xdist). A module runs on one worker, so its module-scoped servers
+# start once; modules that start a server per test (or per cell) are split further so both workers share them.
+def _work_unit(nodeid: str) -> str:
+    module, _, test = nodeid.partition("::")
+    if module.endswith("test_checkpoint_layouts_e2e.py"):  # per precision: its plain server is started once
+        return f"{module}:{test.rstrip(']').rsplit('-', 1)[-1]}"
+    if module.endswith("test_prefix_cache_e2e.py"):
+        return nodeid
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed the suite runs in one process
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # collection order: the slow server modules start early
+    return ByWorkUnit(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`factory(dtype="float32", placement="subdir") -> Path`, each pair built once per session."""
-    root = tmp_path_factory.mktemp("tiny_vlm")
+    """`factory(dtype="float32", placement="subdir") -> Path`, each pair built once per run (shared by the workers)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny_vlm"  # the workers' common parent
 
     def factory(dtype: str = "float32", placement: str = "subdir") -> Path:
-        return tiny_model_dir(root, dtype=dtype, placement=placement)
+        root.mkdir(exist_ok=True)
+        with open(str(root) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits instead of training the same tokenizer
+            return tiny_model_dir(root, dtype=dtype, placement=placement)
 
     return factory
 

@@ -68,7 +68,7 @@ def test_find_acceptance_nested() -> None:
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The one-command benchmark against the real server, host and plugin, tiny random model."""
-    rc = SB.main(["--quick", "--out-dir", str(tmp_path), "--concurrency", "1,2"])
+    rc = SB.main(["--quick", "--out-dir", str(tmp_path), "--concurrency", "1,2", "--max-tokens", "8"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     report = json.loads(last)
     assert rc == 0

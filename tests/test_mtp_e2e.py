@@ -18,7 +18,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv=None):\n
 def greedy(server: Server) -> list[str]:
     outs = []
     for prompt in PROMPTS:
-        body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48, "temperature": 0}
+        body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0}
         outs.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"])
     return outs
 

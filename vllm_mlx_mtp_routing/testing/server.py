@@ -48,20 +48,33 @@ def serve(
 ) -> Iterator[Server]:
     """``command`` replaces the ``vllm-mlx`` console script (e.g. ``[python, "-c", launcher]``);
     ``env`` is merged over this process's environment."""
-    port = free_port()
-    cmd = [*(command or [VLLM_MLX]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with run_server(cmd, port, model=str(model), log_path=log_dir / f"server-{port}.log", env=full_env,
-                    ready_path="/health", startup_timeout=startup_timeout) as server:
-        yield server
+    for attempt in range(3):
+        port = free_port()
+        cmd = [*(command or [VLLM_MLX]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
+        try:
+            # uvicorn's own line: /health alone could be answered by another process that took the port
+            with run_server(cmd, port, model=str(model), log_path=log_dir / f"server-{port}.log", env=full_env,
+                            ready_path="/health", startup_timeout=startup_timeout,
+                            ready_line=f"Uvicorn running on http://127.0.0.1:{port}") as server:
+                yield server
+            return
+        except PortTaken:
+            if attempt == 2:
+                raise
+
+
+class PortTaken(RuntimeError):
+    """Another process bound the port between ``free_port`` and the server's own bind (tests run in parallel)."""
 
 
 @contextlib.contextmanager
 def run_server(
     cmd: list[str], port: int, *, model: str, log_path: Path, env: dict[str, str], ready_path: str,
-    startup_timeout: float = 180.0,
+    startup_timeout: float = 180.0, ready_line: str | None = None,
 ) -> Iterator[Server]:
-    """Any HTTP server process on 127.0.0.1:``port``: ready once ``ready_path`` answers 200, stopped on exit."""
+    """Any HTTP server process on 127.0.0.1:``port``: ready once ``ready_path`` answers 200 (and, if given, its
+    log has ``ready_line``), stopped on exit."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     server = Server(url=f"http://127.0.0.1:{port}", model=model, proc=proc, log_path=log_path)
@@ -69,9 +82,14 @@ def run_server(
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+                log_text = server.log()
+                if "address already in use" in log_text.lower():
+                    raise PortTaken(f"port {port} was taken:\n{log_text[-2000:]}")
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_text[-4000:]}")
             try:
-                if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
+                if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200 and (
+                    ready_line is None or ready_line in server.log()
+                ):
                     break
             except httpx.HTTPError:
                 pass
