@@ -12,6 +12,8 @@ that keeps the first n of S verified tokens takes state n - 1 and the conv windo
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,24 +38,21 @@ def lm_head(text_model: Any, h: mx.array) -> mx.array:
     return text_model.lm_head(h)
 
 
-def _recurrence_with_states(
-    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array | None
-) -> tuple[mx.array, list[mx.array]]:
-    """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
+Recurrence = Callable[..., tuple[mx.array, list[mx.array]]]
 
-    mlx-lm's ``gated_delta_update`` computes the gates and the GQA repeat once per call and then
-    (CPU, CUDA) loops its compiled single step over the positions, or (Metal) runs one fused
-    kernel over all of them. The capture does the same loop with the per-position states kept:
-    gates and repeat once, then one step per position (the fused kernel over one position on
-    Metal). Calling ``gated_delta_update`` per position instead repeated the gates and the repeat
-    S times, ~36 more launches per verify step, which a launch-bound GPU pays in full.
-    """
-    B, S, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
+
+def _recurrence_loop(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array
+) -> tuple[mx.array, list[mx.array]]:
+    """mlx-lm's own recurrence with every state kept. ``gated_delta_update`` computes the gates
+    and the GQA repeat once per call and then (CPU, CUDA) loops its compiled single step over the
+    positions, or (Metal) runs one fused kernel over all of them; this does the same, keeping the
+    state after each position. (Calling ``gated_delta_update`` per position repeated the gates and
+    the repeat S times, ~36 more launches per verify, which a launch-bound GPU pays in full.)"""
+    S = q.shape[1]
+    Hk, Hv = q.shape[2], v.shape[2]
     beta = mx.sigmoid(b)
     g = compute_g(lin.A_log, a, lin.dt_bias)
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     fused = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
     if not fused and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
@@ -68,6 +67,67 @@ def _recurrence_with_states(
         ys.append(y)
         states.append(state)
     return mx.concatenate(ys, axis=1), states
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_positions(repeat: int) -> Callable[..., tuple[mx.array, list[mx.array]]]:
+    """The gates, the GQA repeat and every position's step as ONE compiled graph (mx.compile
+    retraces per shape): elementwise work fuses across positions instead of one compiled step
+    per position plus separate gate, repeat and concatenate launches. Same operations, in the
+    same order and precision, as ``compute_g`` and mlx-lm's single step."""
+
+    def run(q, k, v, a, b, A_log, dt_bias, state):
+        beta = mx.sigmoid(b)
+        g = mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+        if repeat > 1:
+            q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+        ys, states = [], []
+        for t in range(q.shape[1]):
+            state = state * g[:, t][..., None, None]
+            kv_mem = (state * k[:, t][..., None, :]).sum(axis=-1)
+            delta = (v[:, t] - kv_mem) * beta[:, t][..., None]
+            state = state + k[:, t][..., None, :] * delta[..., None]
+            ys.append((state * q[:, t][..., None, :]).sum(axis=-1).astype(q.dtype))
+            states.append(state)
+        return mx.stack(ys, axis=1), states
+
+    return mx.compile(run)
+
+
+def _recurrence_compiled(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array
+) -> tuple[mx.array, list[mx.array]]:
+    if mx.default_device() == mx.gpu and mx.metal.is_available():  # Metal has mlx-lm's fused kernel
+        return _recurrence_loop(lin, q, k, v, a, b, state)
+    return _compiled_positions(v.shape[2] // q.shape[2])(q, k, v, a, b, lin.A_log, lin.dt_bias, state)
+
+
+# The verify's recurrence, by name; ``use_recurrence`` swaps it (benchmarks compare them in one
+# process; a fused device kernel with the same signature slots in the same way).
+RECURRENCES: dict[str, Recurrence] = {"loop": _recurrence_loop, "compiled": _recurrence_compiled}
+_active: list[Recurrence] = [_recurrence_loop]
+
+
+def use_recurrence(recurrence: str | Recurrence) -> Recurrence:
+    """Make ``recurrence`` (a name in ``RECURRENCES`` or a function) the verify's; returns the one before."""
+    previous = _active[0]
+    _active[0] = RECURRENCES[recurrence] if isinstance(recurrence, str) else recurrence
+    return previous
+
+
+def _recurrence_with_states(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array | None
+) -> tuple[mx.array, list[mx.array]]:
+    """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
+
+    q, k [B, S, Hk, Dk] (normalized, scaled), v [B, S, Hv, Dv], a, b [B, S, Hv] (the raw gate
+    projections), state [B, Hv, Dv, Dk] float32 or None (zeros). Runs the active implementation
+    (``use_recurrence``); every implementation must equal mlx-lm's ``gated_delta_update``.
+    """
+    if state is None:
+        B, Hv, Dv, Dk = q.shape[0], v.shape[2], v.shape[3], q.shape[3]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    return _active[0](lin, q, k, v, a, b, state)
 
 
 def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:

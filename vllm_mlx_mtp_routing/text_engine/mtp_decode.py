@@ -202,7 +202,7 @@ class MTPDecode:
         logits, hidden, captured = backbone_forward(
             model, feed, cache.layers, hidden_state_mode=self.hidden_state_mode, capture=k > 0
         )
-        tokens, accepted = accept_rows(logits, drafts, qs, drafting, samplers, k, self.per_row_acceptance)
+        tokens, accepted = self._accept(logits, drafts, qs, drafting, samplers, k)
         keep = [len(t) for t in tokens]
         cache.rollback(captured, keep, k + 1)
         for i, (r, toks) in enumerate(zip(rows, tokens)):
@@ -216,6 +216,14 @@ class MTPDecode:
         self._last_end = end
         self._record(cache, B, k, drafting, accepted, sum(keep), cycle)
         return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted)
+
+    def _accept(
+        self, logits: mx.array, drafts: mx.array | None, qs: dict[int, mx.array], drafting: list[bool],
+        samplers: list[RowSampler], k: int,
+    ) -> tuple[list[list[int]], list[int]]:
+        """The verify's tokens and accepted counts per row (``testing.forced_acceptance`` overrides
+        it to make acceptance a controlled input)."""
+        return accept_rows(logits, drafts, qs, drafting, samplers, k, self.per_row_acceptance)
 
     # -- drafting ---------------------------------------------------------------------------
 
