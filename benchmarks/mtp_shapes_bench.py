@@ -341,6 +341,14 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
             mx.eval(mx.argmax(lm_head(model, inner.norm(h)), axis=-1))
 
         out[f"gdn_layers_T{T}_ms"] = median_ms(gdn, iters)
+        if T == 2:  # the verify's layers with each recurrence (the default one above)
+            before = backbone.use_recurrence("loop")
+            try:
+                for name in backbone.RECURRENCES:
+                    backbone.use_recurrence(name)
+                    out[f"gdn_layers_T2_{name}_ms"] = median_ms(gdn, iters)
+            finally:
+                backbone.use_recurrence(before)
         out[f"attention_layers_T{T}_ms"] = median_ms(attn, iters)
         out[f"lm_head_T{T}_ms"] = median_ms(head, iters)
         lin = lin_layers[0][0].linear_attn
@@ -355,7 +363,7 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
         mx.eval(q, k, v, a, b, state0)
         before = backbone.use_recurrence("loop")
         try:
-            for name in backbone.RECURRENCES:
+            for name in ("loop", "compiled"):
                 backbone.use_recurrence(name)
 
                 def rec() -> None:

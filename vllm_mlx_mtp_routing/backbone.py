@@ -104,14 +104,24 @@ def _recurrence_compiled(
 
 # The verify's recurrence, by name; ``use_recurrence`` swaps it (benchmarks compare them in one
 # process; a fused device kernel with the same signature slots in the same way).
-RECURRENCES: dict[str, Recurrence] = {"loop": _recurrence_loop, "compiled": _recurrence_compiled}
+# "compiled_layer": the compiled recurrence inside the whole gated-delta layer, compiled.
+RECURRENCES: dict[str, Recurrence] = {
+    "loop": _recurrence_loop, "compiled": _recurrence_compiled, "compiled_layer": _recurrence_compiled,
+}
 _active: list[Recurrence] = [_recurrence_loop]
+_compile_layers = [False]
 
 
-def use_recurrence(recurrence: str | Recurrence) -> Recurrence:
-    """Make ``recurrence`` (a name in ``RECURRENCES`` or a function) the verify's; returns the one before."""
-    previous = _active[0]
+def use_recurrence(recurrence: str | Recurrence) -> str | Recurrence:
+    """Make ``recurrence`` (a name in ``RECURRENCES`` or a function) the verify's; returns the one
+    before (its name where it has one)."""
+    previous: str | Recurrence = _active[0]
+    if _compile_layers[0]:
+        previous = "compiled_layer"
+    else:
+        previous = next((n for n, f in RECURRENCES.items() if f is _active[0]), _active[0])
     _active[0] = RECURRENCES[recurrence] if isinstance(recurrence, str) else recurrence
+    _compile_layers[0] = recurrence == "compiled_layer"
     return previous
 
 
@@ -130,18 +140,17 @@ def _recurrence_with_states(
     return _active[0](lin, q, k, v, a, b, state)
 
 
-def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
-    """mlx-lm's ``GatedDeltaNet.__call__`` (unmasked, unsharded), also returning the conv window
-    input and the recurrent state after every position."""
+def _capture_core(
+    lin: nn.Module, x: mx.array, conv_state: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` (unmasked, unsharded) as a function of its inputs and
+    state -> (output, the conv window input, the recurrent state after every position)."""
     B, S, _ = x.shape
     qkv = lin.in_proj_qkv(x)
     z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     b = lin.in_proj_b(x)
     a = lin.in_proj_a(x)
-    n_keep = lin.conv_kernel_size - 1
-    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
     conv_out = nn.silu(lin.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -154,10 +163,34 @@ def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.ar
     inv_scale = k.shape[-1] ** -0.5
     q = (inv_scale**2) * mx.fast.rms_norm(q, None, 1e-6)
     k = inv_scale * mx.fast.rms_norm(k, None, 1e-6)
-    y, states = _recurrence_with_states(lin, q, k, v, a, b, cache[1])
-    cache[1] = states[-1]
+    y, states = _recurrence_with_states(lin, q, k, v, a, b, state)
     out = lin.norm(y, z)
     return lin.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, list[mx.array]]]] = {}
+
+
+def _gated_delta_capture(lin: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """The verify's gated-delta layer: ``_capture_core`` on the layer's cache, which it updates;
+    with ``use_recurrence("compiled_layer")`` the whole layer as one compiled graph per layer
+    (its weights are constants of the graph: inference never changes them)."""
+    B = x.shape[0]
+    n_keep = lin.conv_kernel_size - 1
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((B, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), dtype=mx.float32)
+    if _compile_layers[0]:
+        core = _compiled_cores.get(id(lin))
+        if core is None:
+            core = _compiled_cores[id(lin)] = mx.compile(functools.partial(_capture_core, lin))
+        out, conv_input, states = core(x, conv_state, state)
+    else:
+        out, conv_input, states = _capture_core(lin, x, conv_state, state)
+    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    cache[1] = states[-1]
+    return out, conv_input, states
 
 
 @dataclass
