@@ -3,7 +3,8 @@
 # Qwen3.5-2B- and 9B-shaped text models with random bf16 weights built in memory on the GPU (nothing on
 # disk), acceptance forced to a = 0.6 / 0.8 / 0.9, batch 1 / 2 / 4 / 8: t1, t2 (each gated-delta
 # recurrence, before/after in one run), tm, measured speedup, ideal, efficiency, per-row vs
-# all-or-nothing, where t2 - t1 sits, and (2B) a 1024-token prompt's prefill with and without the head.
+# all-or-nothing, where t2 - t1 sits, and (2B) a 1024-token prompt's prefill without MTP, with it, and with
+# the head over every prompt position (the former way).
 # One process per shape, 2B first; each shape's JSON is written after every batch size.
 #
 # Staging on the workstation is that of gpu_serve.sh (its header); then two device calls:

@@ -19,9 +19,10 @@ both.) Per batch size B and acceptance a, in one process:
   breakdown      where t2 - t1 sits: the gated-delta layers, the attention layers and the lm_head
                  run alone at 1 and 2 tokens per row (each group timed as one graph)
 
-and, for a long prompt (--prefill-tokens), the prefill with and without the MTP head at the chunk
-size the server would pick (``prefill_budget.calibrate``): the MTP prefill tax, against the head's
-share of the model's parameters.
+and, for a long prompt (--prefill-tokens), its prefill without MTP, with MTP (the head over the
+prompt's last positions, the default) and with the head over every position (the former way), at
+the chunk size the server would pick (``prefill_budget.calibrate``): MTP's prefill tax, against the
+head's share of the model's parameters.
 
 Prompts are random token ids of the trained tiny model's tokenizer (the engine detokenizes every
 step), prefilled once per shape as one batch and restored into every run (``BatchScheduler.add(...,
@@ -386,10 +387,13 @@ def prefill_tax(model: TextModel, head: MTPHead, n_tokens: int, vocab: int, repe
     budget = calibrate(model, max_chunk=2048, ratio=3.0, vocab_size=vocab)
     chunk = budget.chunk_tokens
     ids = mx.random.randint(10, vocab, (1, n_tokens), key=mx.random.key(3)).astype(mx.uint32)
-    strategies = {"plain": SingleTokenDecode(), "mtp": MTPDecode(head, k=1)}
+    # mtp: the head over the prompt's last DEFAULT_PROMPT_PAIRS positions (the default); mtp_all:
+    # over every position (--mtp-prompt-pairs all, the former way)
+    strategies = {"plain": SingleTokenDecode(), "mtp": MTPDecode(head, k=1),
+                  "mtp_all": MTPDecode(head, k=1, prompt_pairs=None)}
 
     def run(decode: Any) -> float:
-        state = PrefillState(backbone=model.make_cache())
+        state = PrefillState(backbone=model.make_cache(), prefill_to=n_tokens)
         t = time.perf_counter()
         for s in range(0, n_tokens, chunk):
             decode.prefill(model, ids[:, s : s + chunk], state)
@@ -398,7 +402,8 @@ def prefill_tax(model: TextModel, head: MTPHead, n_tokens: int, vocab: int, repe
 
     times: dict[str, list[float]] = {name: [] for name in strategies}
     for r in range(repeats + 1):
-        for name in (list(strategies) if r % 2 else list(strategies)[::-1]):
+        names = list(strategies)
+        for name in names[r % len(names):] + names[: r % len(names)]:
             gc.collect()
             mx.clear_cache()
             t = run(strategies[name])
@@ -411,6 +416,7 @@ def prefill_tax(model: TextModel, head: MTPHead, n_tokens: int, vocab: int, repe
         "seconds": {name: round(v, 4) for name, v in med.items()},
         "seconds_all": {name: [round(x, 4) for x in v] for name, v in times.items()},
         "mtp_over_plain": round(med["mtp"] / med["plain"], 3),
+        "mtp_all_over_plain": round(med["mtp_all"] / med["plain"], 3),
     }
 
 
