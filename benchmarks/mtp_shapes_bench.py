@@ -14,7 +14,7 @@ both.) Per batch size B and acceptance a, in one process:
   mtp_a<a>       per-row acceptance, k = 1, every row drafting every step
   aon_a<a>       batch-wide all-or-nothing acceptance (the host's and mlx-vlm's scheme), B > 1
   t1 / t2 / tm   one plain step, one [B, 2] verify with capture + rollback, one head draft step
-                 (t2 once per gated-delta recurrence in backbone.RECURRENCES: before/after in one run)
+                 (t1 and t2 per gated-delta recurrence variant, VARIANTS: before/after in one run)
   ideal          (1 + a) * t1 / (t2 + tm) with a as measured; efficiency = speedup / ideal
   breakdown      where t2 - t1 sits: the gated-delta layers, the attention layers and the lm_head
                  run alone at 1 and 2 tokens per row (each group timed as one graph)
@@ -38,6 +38,7 @@ it is rewritten after every batch size, so a run cut by --budget-s or a kill kee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -45,7 +46,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,15 +60,24 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from provenance import commit, device, versions  # noqa: E402
 from step_costs import COMMON, PRESETS  # noqa: E402
 from vllm_mlx_mtp_routing import backbone  # noqa: E402
-from vllm_mlx_mtp_routing.backbone import backbone_forward, lm_head, rollback_rows  # noqa: E402
+from vllm_mlx_mtp_routing.backbone import (  # noqa: E402
+    FusedGatedDeltaNet,
+    backbone_forward,
+    gated_delta_layer,
+    lm_head,
+    rollback_rows,
+    use_fused_recurrence,
+)
 from vllm_mlx_mtp_routing.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
+    GatedDeltaNet,
     KVCache,
     TextModel,
     TextModelArgs,
     create_attention_mask,
 )
 from vllm_mlx_mtp_routing.mtp import MTPHead  # noqa: E402
+from vllm_mlx_mtp_routing.recurrence import fused_available  # noqa: E402
 from vllm_mlx_mtp_routing.testing.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     BatchScheduler,
@@ -84,6 +94,30 @@ from vllm_mlx_mtp_routing.text_engine.prefill_budget import calibrate  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
+# The gated-delta recurrence, plain step and verify alike: "loop" is mlx-lm's per-token loop (the
+# text path before the fused kernel), "fused" the CUDA kernel the text model runs now (mlx-lm's loop
+# off CUDA), "compiled" / "compiled_layer" the verify's recurrence / whole layer compiled (the plain
+# step as "fused"). DEFAULT is what the engine runs: the speedups are measured with it.
+VARIANTS = ("loop", "fused", "compiled", "compiled_layer")
+DEFAULT = "fused"
+
+
+@contextlib.contextmanager
+def variant(model: TextModel, name: str) -> Iterator[None]:
+    """Run the model's plain steps and its verify with this recurrence variant, then restore."""
+    plain = GatedDeltaNet if name == "loop" else FusedGatedDeltaNet
+    lins = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
+    classes = [type(lin) for lin in lins]
+    before = backbone.use_recurrence(name)
+    try:
+        for lin in lins:
+            if fused_available() or plain is GatedDeltaNet:
+                lin.__class__ = plain
+        yield
+    finally:
+        backbone.use_recurrence(before)
+        for lin, cls in zip(lins, classes):
+            lin.__class__ = cls
 
 # Qwen3.5-9B's text shape (its published config: 32 layers, [GDN x3, attention] x8, untied lm_head).
 SHAPE_9B = {
@@ -124,6 +158,7 @@ def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[
     model.train(False)
     head.train(False)
     head.bind(model)
+    use_fused_recurrence(model)  # as build_text_model does (CUDA only)
     mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
                                  if isinstance(v, mx.array)])
     n_backbone = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -277,15 +312,16 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
             mx.eval(cache.state())
         return fn
 
-    res: dict[str, Any] = {"t1_ms": rewound(t1)}
-    before = backbone.use_recurrence("loop")
-    try:
-        for name in backbone.RECURRENCES:
-            backbone.use_recurrence(name)
-            res[f"t2_{name}_ms"] = rewound(t2(True))
-    finally:
-        backbone.use_recurrence(before)
-    res["t2_ms"] = res["t2_loop_ms"]
+    res: dict[str, Any] = {}
+    for name in VARIANTS:
+        try:
+            with variant(model, name):
+                res[f"t1_{name}_ms"] = rewound(t1)
+                res[f"t2_{name}_ms"] = rewound(t2(True))
+        except Exception as e:  # noqa: BLE001 - a variant that fails on this device is recorded, not fatal
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            _restore(cache.layers, snap)
+    res["t1_ms"], res["t2_ms"] = res[f"t1_{DEFAULT}_ms"], res[f"t2_{DEFAULT}_ms"]
     res["t2_nocapture_ms"] = rewound(t2(False))
 
     greedy = [RowSampler(SamplingOptions(max_tokens=10**6)) for _ in range(B)]
@@ -326,7 +362,7 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
                 if T == 1:
                     outs.append(layer(h, cache=c))
                 else:
-                    r, _, st = backbone._gated_delta_capture(layer.linear_attn, layer.input_layernorm(h), c)
+                    r, _, st = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c, capture=True)
                     outs.append(h + r + layer.mlp(layer.post_attention_layernorm(h + r)))
                     states += st
                 states.append(c.cache[1])
@@ -341,15 +377,13 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
         def head() -> None:
             mx.eval(mx.argmax(lm_head(model, inner.norm(h)), axis=-1))
 
-        out[f"gdn_layers_T{T}_ms"] = median_ms(gdn, iters)
-        if T == 2:  # the verify's layers with each recurrence (the default one above)
-            before = backbone.use_recurrence("loop")
+        for name in VARIANTS:  # the gated-delta layers at T tokens with each variant
             try:
-                for name in backbone.RECURRENCES:
-                    backbone.use_recurrence(name)
-                    out[f"gdn_layers_T2_{name}_ms"] = median_ms(gdn, iters)
-            finally:
-                backbone.use_recurrence(before)
+                with variant(model, name):
+                    out[f"gdn_layers_T{T}_{name}_ms"] = median_ms(gdn, iters)
+            except Exception as e:  # noqa: BLE001 - recorded in step_costs already
+                out[f"gdn_layers_T{T}_{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+                _restore(cache.layers, snap)
         out[f"attention_layers_T{T}_ms"] = median_ms(attn, iters)
         out[f"lm_head_T{T}_ms"] = median_ms(head, iters)
         lin = lin_layers[0][0].linear_attn
@@ -364,7 +398,7 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
         mx.eval(q, k, v, a, b, state0)
         before = backbone.use_recurrence("loop")
         try:
-            for name in ("loop", "compiled"):
+            for name in ("loop", "fused", "compiled"):
                 backbone.use_recurrence(name)
 
                 def rec() -> None:
@@ -432,7 +466,8 @@ def summarize(B: int, costs: dict, runs: dict[str, list[tuple[float, dict]]], ac
                                                        zip(runs["plain"], runs["plain_control"])), 3),
         **{key: (round(v, 3) if isinstance(v, float) else v) for key, v in costs.items()},
         "t2_over_t1": round(costs["t2_ms"] / costs["t1_ms"], 3),
-        **{f"t2_{name}_over_t1": round(costs[f"t2_{name}_ms"] / costs["t1_ms"], 3) for name in backbone.RECURRENCES},
+        **{f"t2_{name}_over_t1": round(costs[f"t2_{name}_ms"] / costs[f"t1_{name}_ms"], 3) for name in VARIANTS
+           if f"t2_{name}_ms" in costs},
     }
     for name, rs in runs.items():
         if name in ("plain", "plain_control"):
@@ -561,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         write()
         brief = {key: row[key] for key in ("batch", "plain_tok_s", "plain_control_ratio", "t1_ms", "t2_ms", "tm_ms",
                                            "t2_over_t1", "seconds")}
-        brief.update({f"t2_{n}_over_t1": row[f"t2_{n}_over_t1"] for n in backbone.RECURRENCES})
+        brief.update({f"t2_{n}_over_t1": row.get(f"t2_{n}_over_t1") for n in VARIANTS})
         brief.update({name: [row[name]["speedup"], row[name]["acceptance"], row[name]["efficiency"]]
                       for name in names if name not in ("plain", "plain_control")})
         print("mtp_shapes: " + json.dumps(brief), flush=True)

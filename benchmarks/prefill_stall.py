@@ -96,6 +96,8 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
     before = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b < t0]
     # a gap counts for the window when it ends inside it (the token that had to wait for the prefill)
     during = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if t0 <= b <= t1 + 0.5]
+    # when the worst gaps ended, from the long prompt's send: early = admission/first chunk, late = the row's join
+    worst = sorted(((b - a, b - t0) for arr in arrivals for a, b in zip(arr, arr[1:]) if t0 <= b <= t1 + 0.5), reverse=True)
     starved = [t1 - arr[-1] for arr in arrivals if arr and arr[-1] < t1]  # streams with no token after a stall
     lat = [d for tic, d in health if t0 <= tic <= t1]
     return {
@@ -107,6 +109,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         "health_max_s": round(max(lat), 4) if lat else None,
         "health_median_s": round(statistics.median(lat), 4) if lat else None,
         "health_polls": len(lat),
+        "worst_gaps_s_at_s": [(round(g, 3), round(at, 3)) for g, at in worst[:4]],
     }
 
 
@@ -125,6 +128,7 @@ def main() -> None:
     ap.add_argument("--flags", default="", help="extra serve flags for both servers")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--command", default="", help="replaces the vllm-mlx console script (e.g. a launcher)")
+    ap.add_argument("--rounds", type=int, default=1, help="long prompts per server, each new to its prefix cache")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -145,7 +149,11 @@ def main() -> None:
         with serve(args.model, *flags, log_dir=log_dir, env=env, command=command, startup_timeout=args.timeout) as server:
             httpx.post(f"{server.url}/v1/chat/completions", timeout=args.timeout, json={
                 "model": server.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
-            r = asyncio.run(measure(server.url, server.model, prompt, args.streams, args.warm_tokens, args.timeout))
+            rounds = [asyncio.run(measure(server.url, server.model, f"round {k}: {prompt}", args.streams, args.warm_tokens,
+                                          args.timeout)) for k in range(args.rounds)]
+            r = rounds[0]
+            if args.rounds > 1:
+                r["later_rounds"] = rounds[1:]
             r["prefill"] = plugin_prefill_stats(server.url)
             budget = (r["prefill"] or {}).get("target_s") or 0.0
             r["target_gap_s"] = round(3 * r["decode_gap_median_s"] + budget, 4) if r["prefill"] else None

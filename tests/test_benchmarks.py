@@ -124,8 +124,9 @@ def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
     assert res["prefill"]["mtp_over_plain"] > 0 and res["prefill"]["chunk_tokens"] >= 16
     [row] = res["rows"]
     assert row["batch"] == 2 and row["t1_ms"] > 0 and row["tm_ms"] > 0
-    assert {"t2_loop_ms", "t2_compiled_ms", "t2_compiled_layer_ms", "t2_nocapture_ms"} <= set(row)
-    assert {"gdn_layers_T1_ms", "attention_layers_T2_ms", "recurrence_compiled_T2_ms"} <= set(row["breakdown"])
+    assert {"t1_loop_ms", "t2_loop_ms", "t2_fused_ms", "t2_compiled_ms", "t2_compiled_layer_ms", "t2_nocapture_ms"} <= set(row)
+    assert {"gdn_layers_T1_loop_ms", "gdn_layers_T2_fused_ms", "attention_layers_T2_ms", "recurrence_compiled_T2_ms"} <= set(row["breakdown"])
+    assert not [k for k in row if k.endswith("_error")]
     for name in ("mtp_a0.8", "aon_a0.8"):
         r = row[name]
         assert 0 < r["acceptance"] <= 1 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"], rel=0.02)

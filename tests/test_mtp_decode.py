@@ -19,7 +19,7 @@ from mlx_lm.models.gated_delta import gated_delta_update
 from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
-from vllm_mlx_mtp_routing.backbone import RECURRENCES, _gated_delta_capture, use_recurrence
+from vllm_mlx_mtp_routing.backbone import RECURRENCES, gated_delta_layer, use_recurrence
 from vllm_mlx_mtp_routing.mlx_lm_internals import ArraysCache
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
 
@@ -449,7 +449,7 @@ def test_the_verify_layer_is_mlx_lms_layer(tiny, recurrence):
     x = mx.random.normal((3, 2, bundle.model.args.hidden_size), key=mx.random.key(8))
     ours, theirs = ArraysCache(2), ArraysCache(2)
     for _ in range(2):
-        out, _, states = _gated_delta_capture(lin, x, ours)
+        out, _, states = gated_delta_layer(lin, x, None, ours, capture=True)
         ref = lin(x, cache=theirs)
         assert mx.array_equal(out, ref) and len(states) == 2
         assert all(mx.array_equal(a, b) for a, b in zip(ours.cache, theirs.cache))

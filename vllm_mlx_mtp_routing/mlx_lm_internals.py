@@ -3,7 +3,8 @@
 
 - ``mlx_lm.models.gated_delta``: ``compute_g``, ``_gated_delta_step_ops`` (its compiled single
   step) and ``gated_delta_kernel`` (Metal): the verify keeps the recurrent state after every
-  position, which the public ``gated_delta_update`` does not return.
+  position, which the public ``gated_delta_update`` does not return; ``GatedDeltaNet`` (the layer
+  whose ``__call__`` backbone.gated_delta_layer mirrors, to run the fused CUDA recurrence).
 - The qwen3_5 text model's structure: ``model.model.layers``, ``fa_idx`` / ``ssm_idx`` (which
   cache builds the attention / gated-delta masks), ``layer.is_linear``, ``layer.linear_attn``'s
   projections and sizes, ``model.args``; ``DecoderLayer`` (the MTP head's layer).
@@ -18,13 +19,14 @@ from typing import Any
 
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel
-from mlx_lm.models.qwen3_5 import DecoderLayer, TextModel, TextModelArgs
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel, gated_delta_update
+from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, TextModel, TextModelArgs
 
 __all__ = [
     "ArraysCache",
     "BaseCache",
     "DecoderLayer",
+    "GatedDeltaNet",
     "KVCache",
     "TextModel",
     "TextModelArgs",
@@ -34,6 +36,7 @@ __all__ = [
     "create_ssm_mask",
     "gated_delta_kernel",
     "gated_delta_step",
+    "gated_delta_update",
     "ssm_cache_index",
 ]
 

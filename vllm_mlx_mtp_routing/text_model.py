@@ -42,8 +42,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from .mlx_lm_internals import TextModel, TextModelArgs
 
+from .backbone import use_fused_recurrence
 from .checkpoint_layouts import (
     DRAFTER_MODEL_TYPE,
     drafter_weights,
@@ -52,6 +52,7 @@ from .checkpoint_layouts import (
     read_config,
     read_drafter_folder,
 )
+from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
 
 logger = logging.getLogger(__name__)
@@ -398,6 +399,8 @@ def build_text_model(
     gc.collect()  # so collectable garbage freed mid-build does not hide in the measured growth
     before = mx.get_active_memory()
     model, shared = _build_backbone(lm, text_config)
+    if fused := use_fused_recurrence(model):
+        logger.info("TextModel: %d gated-delta layers run the fused CUDA recurrence (one launch per call)", fused)
     head, loaded, reason = (None, None, "MTP not enabled")
     if enable_mtp:
         head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
