@@ -3,7 +3,7 @@
 # Qwen3.5-2B- and 9B-shaped text models with random bf16 weights built in memory on the GPU (nothing on
 # disk), acceptance forced to a = 0.6 / 0.8 / 0.9, batch 1 / 2 / 4 / 8: t1, t2 (each gated-delta
 # recurrence, before/after in one run), tm, measured speedup, ideal, efficiency, per-row vs
-# all-or-nothing, where t2 - t1 sits, and (2B) a 1024-token prompt's prefill without MTP, with it, and with
+# all-or-nothing, where t2 - t1 sits, and (2B) a 3072-token prompt's prefill without MTP, with it, and with
 # the head over every prompt position (the former way).
 # One process per shape, 2B first; each shape's JSON is written after every batch size.
 #
@@ -14,7 +14,7 @@
 #
 # Environment: GPU_SHAPES_BUDGET_S (wall seconds after setup for all shapes, default 400; 2B gets 40%
 # of it, the rest goes to 9B), GPU_SHAPES (default "2b 9b"), GPU_SHAPES_ARGS (extra arguments for
-# every shape), GPU_SHAPES_PREFILL_TOKENS (2B's prefill prompt, default 1024; 0 skips), SITE, OUT
+# every shape), GPU_SHAPES_PREFILL_TOKENS (2B's prefill prompt, default 3072; 0 skips), SITE, OUT
 # (default benchmarks/results/gpu_mtp_shapes). Files: $OUT/mtp_shapes_<shape>_gpu.json, the log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ OUT=${OUT:-$REPO/benchmarks/results/gpu_mtp_shapes}
 PY=${PY:-python3}
 BUDGET_S=${GPU_SHAPES_BUDGET_S:-400}
 SHAPES=${GPU_SHAPES:-2b 9b}
-PREFILL=${GPU_SHAPES_PREFILL_TOKENS:-1024}
+PREFILL=${GPU_SHAPES_PREFILL_TOKENS:-3072}
 mkdir -p "$OUT"
 
 main() {

@@ -10,8 +10,10 @@ Starts `vllm-mlx serve MODEL --continuous-batching --mllm --plugins mtp-routing`
 then, each round, sends one new long prompt (stdlib source, about --prompt-tokens tokens, never
 seen before, so no server's prefix cache helps) to every server in turn (rotating which goes
 first), streaming, greedy, --max-tokens tokens, and records the time to the first content token
-and the text. Reports per config the median TTFT and the median of per-round ratios against
-nomtp, and whether every server produced the same greedy text for every prompt.
+and the text, and the CPU seconds the server process spent on the request (/proc; the work done,
+which other jobs on a shared machine do not inflate as they do wall time). Reports per config the
+median TTFT and CPU seconds and the medians of per-round ratios against nomtp, and whether every
+server produced the same greedy text for every prompt.
 
   python benchmarks/mtp_ttft.py --out benchmarks/results/mtp_ttft_cpu.json       # ~6 min on 2 cores
 """
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import statistics
 import sys
 import sysconfig
@@ -66,6 +69,12 @@ def prompts(tokenizer, n: int, tokens: int) -> list[str]:
         if len(out) == n:
             return out
     raise SystemExit("not enough stdlib source for the prompts")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ask(url: str, model: str, text: str, max_tokens: int, timeout: float) -> tuple[float, float, str, dict]:
@@ -122,13 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                    for n in names}
         for rnd, text in enumerate(texts):
             order = names[rnd % len(names):] + names[: rnd % len(names)]
-            row: dict = {"round": rnd, "warm_up": rnd == 0, "order": order, "ttft_s": {}, "total_s": {}, "text": {}}
+            row: dict = {"round": rnd, "warm_up": rnd == 0, "order": order, "ttft_s": {}, "total_s": {}, "cpu_s": {},
+                         "text": {}}
             for n in order:
+                cpu0 = cpu_seconds(servers[n].proc.pid)
                 ttft, total, out, usage = ask(servers[n].url, servers[n].model, text, a.max_tokens, a.timeout)
+                row["cpu_s"][n] = round(cpu_seconds(servers[n].proc.pid) - cpu0, 2)
                 row["ttft_s"][n], row["total_s"][n], row["text"][n] = round(ttft, 3), round(total, 3), out
                 row["prompt_tokens"] = usage.get("prompt_tokens")
-                print(f"mtp_ttft: round {rnd} {n}: TTFT {ttft:.2f} s, {usage.get('prompt_tokens')} prompt tokens",
-                      flush=True)
+                print(f"mtp_ttft: round {rnd} {n}: TTFT {ttft:.2f} s, server CPU {row['cpu_s'][n]:.1f} s, "
+                      f"{usage.get('prompt_tokens')} prompt tokens", flush=True)
             row["same_text"] = len(set(row["text"].values())) == 1
             result["rounds"].append(row)
             a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = {
         n: {"ttft_median_s": round(statistics.median(r["ttft_s"][n] for r in timed), 3),
             "vs_nomtp_median": round(statistics.median(r["ttft_s"][n] / r["ttft_s"]["nomtp"] for r in timed), 3),
-            "vs_nomtp_per_round": [round(r["ttft_s"][n] / r["ttft_s"]["nomtp"], 3) for r in timed]}
+            "vs_nomtp_per_round": [round(r["ttft_s"][n] / r["ttft_s"]["nomtp"], 3) for r in timed],
+            "server_cpu_median_s": round(statistics.median(r["cpu_s"][n] for r in timed), 2),
+            "server_cpu_vs_nomtp_median": round(statistics.median(r["cpu_s"][n] / r["cpu_s"]["nomtp"] for r in timed), 3)}
         for n in names
     }
     result["same_greedy_text_every_round"] = all(r["same_text"] for r in result["rounds"])
