@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from provenance import commit, device, versions  # noqa: E402
@@ -152,9 +152,9 @@ def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[
         module.update(tree_unflatten(cast))
         mx.eval(module.parameters())
     out = model.model.embed_tokens if args.tie_word_embeddings else model.lm_head
-    keep = mx.ones((args.vocab_size, 1), dtype=dtype)
-    keep[mx.array(zero_ids, dtype=mx.int32)] = 0
-    out.weight = out.weight * keep
+    keep = np.ones((args.vocab_size, 1), dtype=np.float32)
+    keep[zero_ids] = 0.0
+    out.weight = out.weight * mx.array(keep).astype(dtype)
     model.train(False)
     head.train(False)
     head.bind(model)

@@ -8,7 +8,7 @@ every other (accepted, with probability ``acceptance`` per draft) or pushed belo
 Everything else is the engine's own code path: the head drafts, the backbone verifies [x, drafts],
 ``accept_rows`` accepts per row (or batch-wide), the caches roll back per row.
 
-The forcing is one scatter-add into the verify's logits per step and a [B, k] array from the host;
+The forcing is a few elementwise ops on the verify's logits per step and a [B, k] array from the host;
 the decisions come from a seeded ``random.Random``. Greedy rows only (the benchmarks'); a sampled
 row's speculative sampling would see the forced logits as its target distribution.
 """
@@ -40,7 +40,6 @@ class ForcedAcceptanceDecode(MTPDecode):
         super().__init__(head, **options)
         self.acceptance = acceptance
         self._rng = random.Random(seed)
-        self._index: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
 
     def _accept(
         self, logits: mx.array, drafts: mx.array | None, qs: dict[int, mx.array], drafting: list[bool],
@@ -51,13 +50,11 @@ class ForcedAcceptanceDecode(MTPDecode):
         return super()._accept(logits, drafts, qs, drafting, samplers, k)
 
     def _force(self, logits: mx.array, drafts: mx.array, drafting: list[bool], k: int) -> mx.array:
-        B = len(drafting)
         a, rng = self.acceptance, self._rng
         delta = [[(FORCE if rng.random() < a else -FORCE) if d else 0.0 for _ in range(k)] for d in drafting]
-        if (B, k) not in self._index:  # constant per shape: built once
-            rows = mx.broadcast_to(mx.arange(B)[:, None], (B, k))
-            pos = mx.broadcast_to(mx.arange(k)[None, :], (B, k))
-            self._index[(B, k)] = (rows, pos)
-        rows, pos = self._index[(B, k)]
+        V = logits.shape[-1]
         # Position j's logits judge drafts[:, j] (fed at position j + 1): raise or sink that entry.
-        return logits.at[rows, pos, drafts.astype(mx.int32)].add(mx.array(delta, dtype=logits.dtype))
+        # Elementwise (a compare against the vocabulary), no scatter: every backend runs it.
+        hit = mx.arange(V, dtype=mx.uint32)[None, None, :] == drafts[:, :, None]
+        forced = logits[:, :k] + hit.astype(logits.dtype) * mx.array(delta, dtype=logits.dtype)[:, :, None]
+        return mx.concatenate([forced, logits[:, k:]], axis=1)
