@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pairs", default="all,256", help="settings of --mtp-prompt-pairs to compare")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the window starts at a chunk)")
-    ap.add_argument("--prefill-tokens", type=int, default=3000)
+    ap.add_argument("--prefill-tokens", type=int, default=3000, help="0: no prefill timing")
     ap.add_argument("--prefill-chunk", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="timed prefill rounds after a warm-up")
     ap.add_argument("--out", type=Path, required=True)
@@ -81,27 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")
 
-    ids = make_prompts(tok, 1, a.prefill_tokens)[0]
-    strategies = {"nomtp": SingleTokenDecode(), **{f"mtp_{x}": MTPDecode(bundle.mtp, k=1, prompt_pairs=None if x == "all"
-                                                                         else int(x)) for x in settings}}
-    names = list(strategies)
-    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-    for r in range(a.rounds + 1):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            t = prefill_seconds(bundle, ids, a.prefill_chunk, strategies[n])
-            if r:
-                times[n].append(t)
-            print(f"mtp_prompt_pairs: prefill round {r} {n}: {t[0]:.2f} s wall, {t[1]:.2f} s CPU", flush=True)
-    result["prefill"] = {
-        n: {"wall_median_s": round(statistics.median(w for w, _ in times[n]), 3),
-            "cpu_median_s": round(statistics.median(c for _, c in times[n]), 3),
-            "cpu_vs_nomtp_per_round": [round(c / c0, 3) for (_, c), (_, c0) in zip(times[n], times["nomtp"])],
-            "cpu_vs_nomtp_median": round(statistics.median(c / c0 for (_, c), (_, c0) in zip(times[n], times["nomtp"])), 3),
-            "wall_vs_nomtp_median": round(statistics.median(w / w0 for (w, _), (w0, _) in zip(times[n], times["nomtp"])), 3)}
-        for n in names
-    }
-    print(json.dumps(result["prefill"]), flush=True)
-    write()
+    if a.prefill_tokens:
+        result["prefill"] = prefill_costs(bundle, tok, settings, a)
+        print(json.dumps(result["prefill"]), flush=True)
+        write()
 
     prompts = make_prompts(tok, a.prompts, a.prompt_tokens)
     ref = decode(bundle, tok, prompts, a.max_tokens, SingleTokenDecode(), a.chunk)
@@ -117,6 +100,28 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         write()
     return 0
+
+
+def prefill_costs(bundle, tok, settings: list[str], a: argparse.Namespace) -> dict:
+    ids = make_prompts(tok, 1, a.prefill_tokens)[0]
+    strategies = {"nomtp": SingleTokenDecode(), **{f"mtp_{x}": MTPDecode(bundle.mtp, k=1, prompt_pairs=None if x == "all"
+                                                                         else int(x)) for x in settings}}
+    names = list(strategies)
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for r in range(a.rounds + 1):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t = prefill_seconds(bundle, ids, a.prefill_chunk, strategies[n])
+            if r:
+                times[n].append(t)
+            print(f"mtp_prompt_pairs: prefill round {r} {n}: {t[0]:.2f} s wall, {t[1]:.2f} s CPU", flush=True)
+    return {
+        n: {"wall_median_s": round(statistics.median(w for w, _ in times[n]), 3),
+            "cpu_median_s": round(statistics.median(c for _, c in times[n]), 3),
+            "cpu_vs_nomtp_per_round": [round(c / c0, 3) for (_, c), (_, c0) in zip(times[n], times["nomtp"])],
+            "cpu_vs_nomtp_median": round(statistics.median(c / c0 for (_, c), (_, c0) in zip(times[n], times["nomtp"])), 3),
+            "wall_vs_nomtp_median": round(statistics.median(w / w0 for (w, _), (w0, _) in zip(times[n], times["nomtp"])), 3)}
+        for n in names
+    }
 
 
 if __name__ == "__main__":
