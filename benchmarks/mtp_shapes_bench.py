@@ -557,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.prefill_tokens:
         result["prefill"] = prefill_tax(model, head, a.prefill_tokens, tok_size, a.prefill_repeats)
         result["prefill"]["head_share_of_params"] = round(n_head / n_backbone, 4)
+        # A prefill's per-token matmuls: every layer's, no lm_head (only the last position's logits are read)
+        emb = shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
+        result["prefill"]["head_share_of_layer_params"] = round(n_head / (n_backbone - emb), 4)
         print("mtp_shapes: prefill " + json.dumps(result["prefill"]), flush=True)
         write()
 
