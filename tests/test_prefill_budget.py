@@ -45,7 +45,9 @@ def test_calibration_picks_a_chunk_within_the_bounds(tiny_text) -> None:
     budget = calibrate(model, max_chunk=2048, ratio=3.0, vocab_size=1000)
     assert MIN_CHUNK <= budget.chunk_tokens <= 2048 and budget.chunk_tokens % MIN_CHUNK == 0
     assert budget.decode_step_s > 0 and budget.per_token_s > 0
+    assert budget.probe_tokens <= 2048 and budget.probe_tokens >= 24
     assert calibrate(model, max_chunk=2048, ratio=0, vocab_size=1000).chunk_tokens == 2048  # 0: off
+    assert calibrate(model, max_chunk=64, ratio=3.0, vocab_size=1000).probe_tokens <= 64  # the probe never passes the cap
     sched = BatchScheduler(model, tiny_text[1], max_num_seqs=2, prefill_step_size=2048)
     budget.apply(sched)
     assert sched.prefill_chunk == budget.chunk_tokens and sched.prefill_time_s[0] == pytest.approx(3.0)

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 MIN_CHUNK = 16
 IDLE_STEP_S = 0.25
-# Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens. Where prefill is slow (a quantized model on
+# Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens (more where 24 tokens cost no more than 8, see calibrate). Where prefill is slow (a quantized model on
 # MLX's CPU backend: ~64 ms a token) larger probes cost the start-up tens of seconds.
 PROBE_SMALL = 8
 PROBE_LARGE = 24
@@ -51,6 +51,7 @@ class PrefillBudget:
     chunk_fixed_s: float  # a: the per-chunk cost that does not grow with its tokens
     per_token_s: float  # b
     calibration_s: float
+    probe_tokens: int = PROBE_LARGE  # the larger calibration probe (grown where 24 tokens cost no more than 8)
 
     @property
     def target_s(self) -> float:
@@ -84,7 +85,7 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
     if ratio <= 0 or max_chunk <= MIN_CHUNK:
         return PrefillBudget(max_chunk, max_chunk, ratio, 0.0, 0.0, 0.0, 0.0)
     tic = time.perf_counter()
-    ids = mx.random.randint(0, max(vocab_size, 2), (1, PROBE_SMALL + 2 * PROBE_LARGE + 8), key=mx.random.key(seed))
+    ids = mx.random.randint(0, max(vocab_size, 2), (1, max(max_chunk, PROBE_LARGE) + 8), key=mx.random.key(seed))
     mx.eval(ids)
 
     def forward(cache: list[Any], tokens: mx.array) -> None:
@@ -93,10 +94,19 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
     def prefill(n: int) -> None:
         forward(model.make_cache(), ids[:, :n])
 
-    prefill(PROBE_SMALL)  # warm-up per shape: first-call compilation and buffer allocation
-    small = median_seconds(lambda: prefill(PROBE_SMALL), 2)
-    prefill(PROBE_LARGE)
-    large = median_seconds(lambda: prefill(PROBE_LARGE), 2)
+    def timed_prefill(n: int) -> float:
+        prefill(n)  # warm-up per shape: first-call compilation and buffer allocation
+        return median_seconds(lambda: prefill(n), 2)
+
+    small = timed_prefill(PROBE_SMALL)
+    probe_large = PROBE_LARGE
+    large = timed_prefill(probe_large)
+    # Where a token costs little against a chunk's fixed cost (a GPU: ~30 us a token beside ~10 ms of launches),
+    # 24 tokens do not move the clock and the per-token cost would read as zero, letting the chunk grow to
+    # --prefill-step-size: grow the probe until it costs visibly more than the small one.
+    while large < 1.5 * small and probe_large * 4 <= max_chunk:
+        probe_large *= 4
+        large = timed_prefill(probe_large)
     cache = model.make_cache()
     forward(cache, ids[:, :PROBE_SMALL])
     position = [PROBE_SMALL]
@@ -107,12 +117,12 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
 
     decode()
     decode_s = median_seconds(decode, 5)
-    per_token = max((large - small) / (PROBE_LARGE - PROBE_SMALL), 1e-9)
+    per_token = max((large - small) / (probe_large - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)
     target = ratio * decode_s
     fit = int((target - fixed) / per_token) if target > fixed else 0
     chunk = min(max_chunk, max(MIN_CHUNK, fit // MIN_CHUNK * MIN_CHUNK))
-    budget = PrefillBudget(chunk, max_chunk, ratio, decode_s, fixed, per_token, time.perf_counter() - tic)
+    budget = PrefillBudget(chunk, max_chunk, ratio, decode_s, fixed, per_token, time.perf_counter() - tic, probe_large)
     logger.info(
         "mtp-routing: text prefill chunk %d tokens (a decode step %.1f ms; a chunk ~%.1f ms + %.3f ms/token; "
         "target %.1f ms = %g decode steps; --prefill-step-size %d; measured in %.1f s)",
