@@ -163,6 +163,26 @@ def test_clear_cache_route_serves_the_text_path(server: Server) -> None:
     assert "text_path" in json.dumps(r.json())
 
 
+def test_a_fallback_keeps_stop_strings_and_says_why(server: Server) -> None:
+    """Without an MTP head a request for the host's drafter goes to the mlx-vlm path: counted with its reason
+    (logged once), its stop strings still honoured, a seed it cannot honour counted."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "temperature": 0,
+            "mllm_draft": True}
+    before = plugin_status(server)
+    full = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    stop = full[4:7]
+    cut = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+    assert cut["message"]["content"] == full[: full.find(stop)] and cut["finish_reason"] == "stop"
+    httpx.post(f"{server.url}/v1/chat/completions", json={**body, "temperature": 0.7, "seed": 3}, timeout=60)
+    after = plugin_status(server)
+    assert after["routing"]["fallback"] - before["routing"]["fallback"] == 3
+    reason = "a host drafter was requested and the text path has no MTP head"
+    assert after["fallback_reasons"][reason] - before["fallback_reasons"].get(reason, 0) == 3
+    assert after["host_path_ignored"]["seed"] - before["host_path_ignored"].get("seed", 0) == 1
+    assert server.log().count("goes to the mlx-vlm path") == 1
+    wait_idle(server, within=2.0)
+
+
 def test_a_long_wait_gets_the_response_start_and_keep_alives_then_an_error_frame(tiny_vlm_bf16: Path, tmp_path: Path) -> None:
     flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "1",
              "--scheduler-queue-timeout", "7")

@@ -49,9 +49,9 @@ def test_text_only_stays_text() -> None:
     "options, gap",
     [
         ({"temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.0, "repetition_penalty": 1.0}, None),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty"),
-        ({"logits_processors": [object()]}, "logits processors"),
+        # served on the text path since issue 14: processors, penalties
+        ({"presence_penalty": 0.5, "repetition_penalty": 1.1, "frequency_penalty": 0.3}, None),
+        ({"logits_processors": [object()]}, None),
         ({"specprefill": True}, "SpecPrefill"),
     ],
 )
@@ -63,6 +63,12 @@ def test_text_path_gaps(options: dict, gap: str | None) -> None:
 def test_sampling_options_from_host_kwargs() -> None:
     opts = sampling_options({"max_tokens": 7, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "stop": "END", "seed": 3})
     assert (opts.max_tokens, opts.temperature, opts.top_p, opts.top_k, opts.min_p, opts.stop, opts.seed) == (7, 0.0, 0.9, 5, 0.1, ["END"], 3)
+    assert (opts.presence_penalty, opts.frequency_penalty, opts.repetition_penalty, opts.logprobs, opts.top_logprobs) == (0.0, 0.0, 1.0, False, 0)
+    proc = lambda tokens, logits: logits  # noqa: E731
+    opts = sampling_options({"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logprobs": True,
+                             "top_logprobs": 4, "logits_processors": [proc]})
+    assert (opts.presence_penalty, opts.frequency_penalty, opts.repetition_penalty, opts.logprobs, opts.top_logprobs) == (0.5, -0.5, 1.2, True, 4)
+    assert opts.logits_processors == [proc]
 
 
 def test_template_errors_become_400_on_both_paths() -> None:

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from vllm_mlx_mtp_routing.errors import RequestRejected
-from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_parameters
+from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
 from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
 
@@ -68,11 +68,23 @@ def test_preflight_refuses_unusable_options() -> None:
     ("seed", -1), ("seed", 2**64), ("seed", 1.5), ("seed", True), ("temperature", -1), ("temperature", float("nan")),
     ("top_p", 0), ("top_p", 1.01), ("top_k", -1), ("min_p", 2), ("frequency_penalty", 2.5), ("presence_penalty", "x"),
     ("repetition_penalty", -1), ("max_tokens", 0), ("stop", "ok" * 600), ("stop", [None]), ("stop_sequences", 5),
+    ("top_logprobs", 21), ("top_logprobs", -1),
 ])
 def test_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(RequestRejected) as info:
         validate_parameters({field: value})
     assert info.value.status_code == 400 and info.value.message.startswith(field)
+
+
+@pytest.mark.parametrize("value,message", [
+    ([1], "must be an object"), ({"x": 1}, "keys must be token ids"), ({"-1": 1}, "outside the vocabulary"),
+    ({"4096": 1}, "outside the vocabulary"), ({"5": 101}, "in [-100, 100]"), ({"5": "a"}, "finite number"),
+])
+def test_logit_bias_validation(value: object, message: str) -> None:
+    with pytest.raises(RequestRejected) as info:
+        validate_logit_bias(value, 4096)
+    assert info.value.status_code == 400 and message in info.value.message
+    validate_logit_bias({"0": -100, "4095": 100.0}, 4096)
 
 
 def test_validation_accepts_edges() -> None:

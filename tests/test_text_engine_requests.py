@@ -57,7 +57,8 @@ def test_max_tokens_and_usage(tiny_text, prompt, reference):
     assert final.finish_reason == "length"
     assert final.token_ids == reference[0][:5]
     assert final.prompt_tokens == len(prompt) and final.completion_tokens == 5
-    assert final.text == tiny_text[1].decode(final.token_ids)
+    # this cut falls inside a character: its bytes are dropped, never emitted as U+FFFD
+    assert final.text == tiny_text[1].decode(final.token_ids).removesuffix("\ufffd")
     _assert_stream_consistent(outs)
 
 
@@ -133,6 +134,22 @@ def test_streaming_detokenizer_holds_partial_utf8(tiny_text):
     st.finish()
     released += st.take_new(final=True)
     assert released == tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])  # inside "😀" (4 bytes): after its 1st, 2nd, 3rd byte
+def test_generation_cut_inside_a_character_ends_without_replacement(tiny_text, cut):
+    tok = tiny_text[1]
+    ids = tok.encode("ok 😀")
+    whole = tok.encode("ok ")
+    assert ids[: len(whole)] == whole and len(ids) == len(whole) + 4  # one byte token per byte of the emoji
+    st = StopText(tok, [])
+    released = ""
+    for t in ids[: len(whole) + cut]:
+        st.add(t)
+        released += st.take_new(final=False)
+    st.finish()
+    released += st.take_new(final=True)
+    assert released == "ok "  # the half character is dropped, never emitted as U+FFFD
 
 
 def test_abort_waiting_prefilling_and_running(tiny_text):

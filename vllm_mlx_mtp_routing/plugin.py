@@ -17,7 +17,7 @@ from .flag_types import count_or_all, int_at_least, non_negative
 from .text_engine.mtp_decode import DEFAULT_PROMPT_PAIRS
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
-from .request_validation import validate_inline_images, validate_parameters
+from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
 from .host import engine_access
 from .routing import RoutingEngine, RoutingSettings
 
@@ -38,6 +38,7 @@ class _State:
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None
     warm_prompts: str | None = None
+    vocab_size: int | None = None  # the loaded model's, for logit_bias ids
 
 
 STATE = _State()
@@ -219,6 +220,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     from .text_engine.prefill_budget import calibrate
 
     vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
+    STATE.vocab_size = vocab
     router.prefill_budget = calibrate(
         bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
     )
@@ -237,6 +239,9 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router.admission = _admission_controller(info, router, text_engine)
     if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
         router.admission.cache_bytes = lambda: prefix_cache.nbytes
+    from .host import logprobs_response
+
+    logprobs_response.install()
     return router.start_text_path(text_engine)
 
 
@@ -264,7 +269,8 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
 
 @hookimpl
 def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
-    """Carry what the host's request models drop: the priority header and the OpenAI ``seed`` field."""
+    """Carry what the host's request models drop: the priority header, the OpenAI ``seed``,
+    ``frequency_penalty`` and ``logprobs`` fields, ``logit_bias`` on completions, and Anthropic's ``stop_sequences``."""
     if not STATE.routing_active:
         return
     value = request.headers.get(PRIORITY_HEADER)
@@ -274,10 +280,17 @@ def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
         except ValueError:
             raise RequestRejected(400, f"X-Request-Priority must be an integer, got {value!r}") from None
     validate_parameters(request.body, request.options)
+    validate_logit_bias(request.body.get("logit_bias"), STATE.vocab_size)
     validate_inline_images(request.body.get("messages") if request.body else request.messages)
     seed = request.body.get("seed")
     if seed is not None:
         request.options["seed"] = int(seed)
+    stops = request.body.get("stop_sequences")  # Anthropic's stop list: the host drops it (vllm-mlx 0.6.0)
+    if stops and not request.options.get("stop"):
+        request.options["stop"] = [stops] if isinstance(stops, str) else list(stops)
+    request.options.update(body_sampling_options(request.method, request.body))
+    if request.method in ("generate", "stream_generate") and request.body.get("logit_bias"):
+        engine_access.attach_logit_bias(request.options, request.body["logit_bias"])
 
 
 @hookimpl

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import RequestRejected
+from .text_engine.sampling import MAX_TOP_LOGPROBS
 
 SEED_LIMIT = 2**64
 MAX_STOP_STRINGS = 16
@@ -99,6 +100,11 @@ def _stop(field: str) -> Callable[[Any], None]:
     return check
 
 
+def _top_logprobs(v: Any) -> None:
+    n = _integer("top_logprobs", v)
+    _in_range("top_logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "seed": _seed,
     "temperature": _temperature,
@@ -112,7 +118,48 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "stop": _stop("stop"),
     "stop_sequences": _stop("stop_sequences"),
+    "top_logprobs": _top_logprobs,
 }
+
+
+def validate_logit_bias(value: Any, vocab_size: int | None) -> None:
+    """400 unless ``logit_bias`` maps token ids of the vocabulary to numbers in [-100, 100] (as OpenAI):
+    an id outside it would index past the logits."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise RequestRejected(400, f"logit_bias must be an object mapping token ids to numbers, got {value!r}")
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestRejected(400, f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestRejected(400, f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
+        x = _number(f"logit_bias[{key!r}]", bias)
+        _in_range(f"logit_bias[{key!r}]", x, -100 <= x <= 100, "in [-100, 100]")
+
+
+def body_sampling_options(method: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the host's request models drop that the text path serves: ``frequency_penalty`` and
+    ``logprobs`` (chat: ``logprobs: true`` with ``top_logprobs: N``; completions: ``logprobs: N``)."""
+    options: dict[str, Any] = {}
+    if body.get("frequency_penalty") is not None:
+        options["frequency_penalty"] = float(body["frequency_penalty"])
+    logprobs = body.get("logprobs")
+    if logprobs is None or logprobs is False:
+        if body.get("top_logprobs"):
+            raise RequestRejected(400, "top_logprobs needs logprobs: true")
+        return options
+    if method in ("chat", "stream_chat"):
+        if logprobs is not True:
+            raise RequestRejected(400, f"logprobs must be a boolean, got {logprobs!r}")
+        options.update(logprobs=True, top_logprobs=int(body.get("top_logprobs") or 0))
+    else:
+        n = _integer("logprobs", logprobs)
+        _in_range("logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+        options.update(logprobs=True, top_logprobs=n)
+    return options
 
 
 def validate_parameters(*sources: Mapping[str, Any]) -> None:

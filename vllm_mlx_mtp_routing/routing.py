@@ -17,8 +17,12 @@ from typing import Any, AsyncIterator
 
 from .engine_decorator import EngineDecorator
 from .errors import RequestRejected
+from . import stop_strings
+from .fallbacks import FallbackReasons
 from .host import asgi
 from .host import engine_access as host
+from .host import logprobs_response as host_logprobs
+from .host import output_text as host_output
 from .host import usage as host_usage
 from .normalize import normalize_messages
 from .request_validation import fit_to_context
@@ -34,7 +38,7 @@ MEDIA_PART_TYPES = frozenset(
 MEDIA_PART_KEYS = ("image_url", "input_image", "video_url", "input_audio", "audio_url")
 MEDIA_OPTIONS = ("images", "videos", "audio")
 # Options the plugin's pre-generation hook adds; the host's engine never sees them.
-PLUGIN_OPTIONS = ("priority", "seed")
+PLUGIN_OPTIONS = ("priority", "seed", "frequency_penalty", "logprobs", "top_logprobs")
 
 
 def _is_media_part(part: Any) -> bool:
@@ -59,12 +63,6 @@ def text_path_gap(options: dict[str, Any], *, text_mtp: bool = False) -> str | N
 
     `text_mtp`: the text path drafts with an MTP head (the host's own drafter when one is
     configured), so a request asking for the host's drafter (`mllm_draft`) is served there."""
-    if options.get("logits_processors"):
-        return "logits processors (logit_bias, JSON mode, thinking budget)"
-    if float(options.get("presence_penalty") or 0.0) != 0.0:
-        return "presence_penalty"
-    if float(options.get("repetition_penalty") or 1.0) != 1.0:
-        return "repetition_penalty"
     if options.get("specprefill"):
         return "SpecPrefill was requested"
     if options.get("mllm_draft") and not text_mtp:
@@ -82,6 +80,12 @@ def sampling_options(options: dict[str, Any]) -> SamplingOptions:
         min_p=float(options.get("min_p") or 0.0),
         seed=options.get("seed"),
         stop=[stop] if isinstance(stop, str) else list(stop),
+        logits_processors=list(options.get("logits_processors") or ()),
+        presence_penalty=float(options.get("presence_penalty") or 0.0),
+        frequency_penalty=float(options.get("frequency_penalty") or 0.0),
+        repetition_penalty=float(options.get("repetition_penalty") or 1.0),
+        logprobs=bool(options.get("logprobs")),
+        top_logprobs=int(options.get("top_logprobs") or 0),
     )
 
 
@@ -124,7 +128,7 @@ class RoutingEngine(EngineDecorator):
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes",
+        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes", "fallbacks",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -133,6 +137,7 @@ class RoutingEngine(EngineDecorator):
         self.text_engine: Any = None
         self.tokenizer_for_text: Any = None
         self.routes: Counter[str] = Counter(text=0, media=0, fallback=0)
+        self.fallbacks = FallbackReasons()
         self.disabled_reason: str | None = "model not loaded yet"
         self.admission: Any = None  # an admission.AdmissionController once the model is loaded
         self.tokens_per_media_item = 0
@@ -169,14 +174,23 @@ class RoutingEngine(EngineDecorator):
     def text_path_drafts(self) -> bool:
         return getattr(self.mtp_decode, "k", 0) > 0  # an MTPDecode, not a status-only placeholder
 
-    def _route(self, messages: list[dict[str, Any]] | None, options: dict[str, Any]) -> str:
+    def _route(self, messages: list[dict[str, Any]] | None, options: dict[str, Any], plugin: dict[str, Any] | None = None) -> str:
+        reason = None
         if has_media(messages, options):
             route = "media"
-        elif self.text_engine is None or text_path_gap(options, text_mtp=self.text_path_drafts) is not None:
+        elif self.text_engine is None:
+            route, reason = "fallback", f"text path off: {self.disabled_reason}"
+        elif (reason := text_path_gap(options, text_mtp=self.text_path_drafts)) is not None:
             route = "fallback"
         else:
             route = "text"
-        self.routes[route] += 1
+        sibling = getattr(asgi.current(), "sibling", None)
+        if sibling is None or sibling.index == 0:  # the n copies of one request count once
+            self.routes[route] += 1
+            if reason is not None:
+                self.fallbacks.note(reason)
+            if route != "text" and (plugin or {}).get("seed") is not None and float(options.get("temperature") or 0.0) > 0:
+                self.fallbacks.ignored("seed")
         return route
 
     def _encode(self, prompt: str) -> list[int]:
@@ -263,15 +277,19 @@ class RoutingEngine(EngineDecorator):
         ctx = asgi.current()
         if ctx is not None:
             ctx.cancel = lambda: engine.abort_now(rid)
+        sibling = getattr(ctx, "sibling", None)
         try:
             request_id = await engine.add_request(
                 prompt_ids, sampling, rid, snapshot_at,
                 # the prefill working set is given back once the row joins the batch
                 on_joined=ticket.prefill_done if ticket is not None else None,
+                share=sibling.share if sibling is not None else None,  # OpenAI n: the rows prefill once
             )
             async for out in self.text_engine.stream(request_id):
                 finished = out.finished
                 host_usage.record(out.cached_tokens)
+                if out.logprobs is not None:
+                    host_logprobs.record(self.tokenizer_for_text, out)
                 yield out
         finally:
             if request_id is not None and not finished:  # client went away or the task was cancelled
@@ -291,7 +309,7 @@ class RoutingEngine(EngineDecorator):
     async def _media_result(self, call: Any, tokens: int, options: dict[str, Any], priority: int) -> Any:
         ticket = await self._admit("media", tokens, options, priority)
         try:
-            return await _host_call(call())
+            return host_output.without_cut_character(await _host_call(call()))
         finally:
             if ticket is not None:
                 ticket.release()
@@ -310,18 +328,22 @@ class RoutingEngine(EngineDecorator):
     async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         plugin, priority = _split_plugin_options(kwargs)
         messages = normalize_messages(messages)
-        if self._route(messages, kwargs) != "text":
+        if self._route(messages, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
-            return await self._media_result(lambda: self.wrapped.chat(messages=messages, **kwargs), tokens, kwargs, priority)
+            stops = stop_strings.of(kwargs)  # the host drops stop strings on this path: applied here
+            call = (lambda: stop_strings.result(self.wrapped.stream_chat(messages=messages, **kwargs), stops)) if stops else (
+                lambda: self.wrapped.chat(messages=messages, **kwargs))
+            return await self._media_result(call, tokens, kwargs, priority)
         ids, marks = self._text_prompt(messages, kwargs)
         return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
         messages = normalize_messages(messages)
-        if self._route(messages, kwargs) != "text":
+        if self._route(messages, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(messages, None, kwargs) if self.admission else 0
-            async for out in self._media_stream(lambda: self.wrapped.stream_chat(messages=messages, **kwargs), tokens, kwargs, priority):
+            stream = lambda: stop_strings.cut(self.wrapped.stream_chat(messages=messages, **kwargs), stop_strings.of(kwargs))  # noqa: E731
+            async for out in self._media_stream(stream, tokens, kwargs, priority):
                 yield out
             return
         ids, marks = self._text_prompt(messages, kwargs)
@@ -330,16 +352,21 @@ class RoutingEngine(EngineDecorator):
 
     async def generate(self, prompt: str, **kwargs: Any) -> Any:
         plugin, priority = _split_plugin_options(kwargs)
-        if self._route(None, kwargs) != "text":
+        if self._route(None, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
-            return await self._media_result(lambda: self.wrapped.generate(prompt=prompt, **kwargs), tokens, kwargs, priority)
-        return await self._text_result(*self._raw_prompt(prompt), {**kwargs, **plugin}, priority)
+            stops = stop_strings.of(kwargs)
+            call = (lambda: stop_strings.result(self.wrapped.stream_generate(prompt=prompt, **kwargs), stops)) if stops else (
+                lambda: self.wrapped.generate(prompt=prompt, **kwargs))
+            return await self._media_result(call, tokens, kwargs, priority)
+        ids, marks = self._raw_prompt(prompt)
+        return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
         plugin, priority = _split_plugin_options(kwargs)
-        if self._route(None, kwargs) != "text":
+        if self._route(None, kwargs, plugin) != "text":
             tokens = self._media_prompt_tokens(None, prompt, kwargs) if self.admission else 0
-            async for out in self._media_stream(lambda: self.wrapped.stream_generate(prompt=prompt, **kwargs), tokens, kwargs, priority):
+            stream = lambda: stop_strings.cut(self.wrapped.stream_generate(prompt=prompt, **kwargs), stop_strings.of(kwargs))  # noqa: E731
+            async for out in self._media_stream(stream, tokens, kwargs, priority):
                 yield out
             return
         ids, marks = self._raw_prompt(prompt)
@@ -390,6 +417,8 @@ class RoutingEngine(EngineDecorator):
 
     def routing_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"routing": dict(self.routes), "text_path": self.disabled_reason is None}
+        stats["fallback_reasons"] = self.fallbacks.counts()
+        stats["host_path_ignored"] = self.fallbacks.ignored_counts()
         if self.disabled_reason is not None:
             stats["text_path_disabled_reason"] = self.disabled_reason
         if self.text_engine is not None:

@@ -1,5 +1,9 @@
 """Request context for hooks, the request's lifetime, and refusals that stay plain HTTP errors for streams.
 
+A generation request's body is read before the host's handler runs (request_body.py): its JSON is kept on the
+context for the hooks, and a request for n > 1 choices is served as n copies, each with its own context
+(choices.py).
+
 Lifetime. Whatever a request holds (an admission slot, a text-engine row) is released when its
 ASGI call ends, however it ends: the middleware runs the callbacks registered with
 ``on_request_end`` in its own ``finally``. A generator's ``finally`` is not enough: on a client
@@ -50,6 +54,8 @@ class RequestContext:
     response_id: str | None = None  # the id in the first SSE chunk (chatcmpl-..., msg_...), for cancel by id
     cancel: Callable[[], bool] | None = None  # cancels what the engine runs for this request
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
+    sibling: Any = None  # a choices.Sibling: this request is one of the n copies of a request
+    body_filters: list[Callable[[Message], Message]] = field(default_factory=list)  # amend response bodies on the way out
 
 
 # Requests whose stream showed its response id, by that id: cancel by id finds them here.
@@ -118,39 +124,59 @@ class PluginRequestMiddleware:
         token = CURRENT.set(ctx)
         try:
             if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
-                await self.app(scope, _BodyTap(receive, ctx), _HoldingSend(send, ctx))
+                await self._generation(scope, receive, send, ctx)
             else:
                 await self.app(scope, receive, send)
         finally:
             _end_request(ctx)
             CURRENT.reset(token)
 
+    async def _generation(self, scope: Scope, receive: Any, send: Send, ctx: RequestContext) -> None:
+        """The body is read first: its JSON is kept for the hooks, OpenAI aliases the host lacks are
+        filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
+        from . import choices, request_body
 
-class _BodyTap:
-    """Passes the request body through unchanged and keeps its JSON for pre-generation hooks."""
+        raw = await request_body.read(receive)
+        body = request_body.parse(raw)
+        if body is not None and request_body.fill_aliases(body):
+            raw = json.dumps(body).encode()
+            scope = with_body_length(scope, len(raw))
+        ctx.body = body or {}
+        try:
+            n = choices.requested(scope["path"], ctx.body)
+        except RequestRejected as exc:
+            await send_rejection(send, exc)
+            return
+        if n > 1:
+            await choices.fan_out(self.app, scope, ctx.body, n, ctx, receive, send)
+            return
+        await self.app(scope, request_body.replay(raw, receive), _HoldingSend(send, ctx))
 
-    MAX_BYTES = 64 * 2**20
 
-    def __init__(self, receive: Any, ctx: RequestContext) -> None:
-        self._receive = receive
-        self._ctx = ctx
-        self._chunks: list[bytes] = []
-        self._size = 0
+async def run_app(app: Any, scope: Scope, receive: Any, send: Send, ctx: RequestContext) -> None:
+    """One more request through ``app`` with its own context and lifetime (a copy of an n > 1 request)."""
+    token = CURRENT.set(ctx)
+    try:
+        await app(scope, receive, _HoldingSend(send, ctx))
+    finally:
+        _end_request(ctx)
+        CURRENT.reset(token)
 
-    async def __call__(self) -> Message:
-        message = await self._receive()
-        if message["type"] == "http.request" and self._size <= self.MAX_BYTES:
-            chunk = message.get("body", b"")
-            self._chunks.append(chunk)
-            self._size += len(chunk)
-            if not message.get("more_body", False) and self._size <= self.MAX_BYTES:
-                try:
-                    body = json.loads(b"".join(self._chunks) or b"{}")
-                except ValueError:
-                    body = None  # the host answers malformed JSON itself
-                self._ctx.body = body if isinstance(body, dict) else {}
-                self._chunks = []
-        return message
+
+def with_body_length(scope: Scope, length: int) -> Scope:
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    out = {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+    if isinstance(scope.get("state"), dict):
+        out["state"] = dict(scope["state"])
+    return out
+
+
+async def send_rejection(send: Send, exc: RequestRejected) -> None:
+    body = json.dumps(error_body(exc)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class _HoldingSend:
@@ -172,6 +198,9 @@ class _HoldingSend:
     async def __call__(self, message: Message) -> None:
         if self._replaced:
             return
+        if message["type"] == "http.response.body":
+            for amend in self._ctx.body_filters:
+                message = amend(message)
         if message["type"] == "http.response.start":
             content_type = dict(message.get("headers", [])).get(b"content-type", b"")
             if content_type.startswith(b"text/event-stream"):
@@ -181,7 +210,7 @@ class _HoldingSend:
         elif self._held is not None:
             if self._ctx.rejection is not None:
                 self._replaced = True
-                await self._send_rejection(self._ctx.rejection)
+                await send_rejection(self._send, self._ctx.rejection)
                 return
             self._note_response_id(message)
             self._held.append(message)
@@ -201,10 +230,3 @@ class _HoldingSend:
             if match:
                 self._ctx.response_id = match.group(1).decode("latin-1")
                 LIVE[self._ctx.response_id] = self._ctx
-
-    async def _send_rejection(self, exc: RequestRejected) -> None:
-        body = json.dumps(error_body(exc)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
-        await self._send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})

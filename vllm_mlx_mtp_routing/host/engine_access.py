@@ -13,7 +13,7 @@ from vllm_mlx.engine.base import GenerationOutput
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
 __all__ = [
-    "GenerationOutput", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "render_chat_prompt", "scheduler_setting",
+    "GenerationOutput", "attach_logit_bias", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "render_chat_prompt", "scheduler_setting",
     "tokens_per_media_item",
 ]
 
@@ -42,6 +42,15 @@ def host_mtp_drafter(engine: Any) -> tuple[str | None, Any]:
     if not path or getattr(engine, "_mllm_draft_kind", None) != "mtp":
         return None, None
     return str(path), getattr(getattr(engine, "_mllm_instance", None), "_draft_model", None)
+
+
+def attach_logit_bias(options: dict[str, Any], logit_bias: Any) -> None:
+    """The host's logit-bias processor (vllm-mlx 0.6.0 ``server._attach_logit_bias_processor``, which its
+    chat endpoint calls and its completions endpoint does not) added to ``options``; 400 for a bad id."""
+    from vllm_mlx import server
+
+    if isinstance(logit_bias, dict):
+        server._attach_logit_bias_processor(options, logit_bias)
 
 
 def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:

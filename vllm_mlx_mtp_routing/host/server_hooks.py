@@ -3,7 +3,8 @@
 Host internals of vllm-mlx 0.6.0 used here, each read at call time by the host: ``server.BatchedEngine``
 / ``server.SimpleEngine`` (``load_model``), ``server._build_engine`` (lifecycle residency),
 ``model_registry.BatchedEngine`` / ``model_registry.SimpleEngine`` (``--models-config``), the
-``/v1/status`` route, and ``server.verify_api_key`` / ``server.check_rate_limit``.
+``/v1/status`` route, ``server.verify_api_key`` / ``server.check_rate_limit``, and
+``server._responses_input_to_chat_messages`` (responses_input.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import RequestRejected
 from ..hookspecs import EngineContext
-from . import asgi
+from . import asgi, responses_input
 from .hooked_engine import HookedEngine
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def install(state: BridgeState) -> None:
         return wrap_engine(state, engine, kind, "residency", dict(vars(spec)) if hasattr(spec, "__dict__") else {})
 
     server._build_engine = _build_engine
+    responses_input.install(server)
 
     app = server.app
     try:

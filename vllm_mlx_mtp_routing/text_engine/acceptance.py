@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .processed_acceptance import processed_row
 from .sampling import RowSampler
 
 
@@ -55,7 +56,7 @@ def accept_rows(
     targets = mx.argmax(logits, axis=-1)  # [B, k+1]
     lazy: dict[int, tuple[mx.array, ...]] = {}
     for i, s in enumerate(samplers):
-        if s.greedy:
+        if s.greedy or s.logits is not None:  # processed rows are verified position by position below
             continue
         if drafting[i]:
             xp = s.process(logits[i])
@@ -68,7 +69,9 @@ def accept_rows(
     counts, finals = [], []
     for i, s in enumerate(samplers):
         a = 0
-        if s.greedy:
+        if s.logits is not None:
+            a, final = _processed(logits[i], d[i] if drafting[i] else [], qs.get(i), s, t[i][0])
+        elif s.greedy:
             if drafting[i]:
                 while a < k and d[i][a] == t[i][a]:
                     a += 1
@@ -82,10 +85,22 @@ def accept_rows(
             final = lazy[i][0].item()
         counts.append(a)
         finals.append(final)
-    if not per_row and any(drafting):
-        # An accepted draft is a valid sample at its position, so clamping keeps exactness.
-        a_min = min(c for c, dr in zip(counts, drafting) if dr)
-        finals = [d[i][a_min] if counts[i] > a_min else finals[i] for i in range(B)]
-        counts = [min(c, a_min) for c in counts]
+    clamped = [dr and samplers[i].logits is None for i, dr in enumerate(drafting)]
+    if not per_row and any(clamped):
+        # An accepted draft is a valid sample at its position, so clamping keeps exactness. Rows with
+        # processed logits keep their own run: their processors already saw it.
+        a_min = min(c for c, dr in zip(counts, clamped) if dr)
+        finals = [d[i][a_min] if clamped[i] and counts[i] > a_min else finals[i] for i in range(B)]
+        counts = [min(c, a_min) if clamped[i] else c for i, c in enumerate(counts)]
     tokens = [d[i][:a] + [f] for i, (a, f) in enumerate(zip(counts, finals))]
     return tokens, [a if dr else 0 for a, dr in zip(counts, drafting)]
+
+
+def _processed(logits: mx.array, drafts: list[int], q: mx.array | None, sampler: RowSampler, fallback: int) -> tuple[int, int]:
+    # A processor's fault (e.g. a grammar with no allowed token) is this row's alone: noted, the row is failed.
+    try:
+        tokens, a = processed_row(logits, drafts, q, sampler)
+    except Exception as exc:
+        sampler.fault = exc
+        return 0, fallback
+    return a, tokens[-1]

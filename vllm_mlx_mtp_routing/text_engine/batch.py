@@ -91,6 +91,7 @@ class BatchScheduler:
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        self.shared_prefill_rows = 0  # rows that started from another row's prefill (OpenAI n)
         self.batch_size_histogram: dict[int, int] = {}
 
     @property
@@ -125,10 +126,10 @@ class BatchScheduler:
             return None
         if seq in self.running:
             self._drop_rows([seq])
-        elif seq in self.prefilling:
-            self.prefilling.remove(seq)
         else:
-            self.waiting.remove(seq)
+            (self.prefilling if seq in self.prefilling else self.waiting).remove(seq)
+            if seq.req.share is not None:
+                seq.req.share.left(seq)
         seq.prefill = None
         return seq.output("abort")
 
@@ -161,6 +162,8 @@ class BatchScheduler:
         outputs = []
         done, started, last = 0, time.perf_counter(), 0.0
         for seq in list(self.prefilling):
+            if seq.req.share is not None and not seq.req.share.ready(seq, self.model, self.decode.head_layers > 0):
+                continue  # another row of its request is prefilling the same prompt
             try:
                 if seq.plan is None:  # looked up now, not at add: a prefix the request before it just prefilled counts
                     seq.plan = SnapshotPlan.start(self.prefix_cache, seq)
@@ -175,6 +178,8 @@ class BatchScheduler:
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
                 seq.prefill = None
+                if seq.req.share is not None:
+                    seq.req.share.left(seq)
                 outputs.append(seq.output("error", error=f"{type(e).__name__}: {e}"))
                 continue
             if seq.prefilled < seq.to_prefill:
@@ -213,6 +218,9 @@ class BatchScheduler:
     def _join(self, seq: Row) -> None:
         state = self._prefill_state(seq)
         self.prefilling.remove(seq)
+        if seq.req.share is not None:
+            seq.req.share.joined(seq, state)
+            self.shared_prefill_rows += seq.shared_prefill
         seq.decode = self.decode.join(state, seq.req.prompt_ids)
         self.batch.insert(seq, state)
         seq.prefill = None
@@ -242,7 +250,7 @@ class BatchScheduler:
             try:  # a fault of this row alone (its sampling, its stop handling) fails this row alone
                 if seq.sampler.fault is not None:
                     raise seq.sampler.fault
-                seq.add_tokens(tokens)
+                seq.add_tokens(tokens, result.logprobs[i] if result.logprobs else None)
                 out = seq.output()
             except Exception as e:
                 seq.finish_reason = "error"
@@ -286,6 +294,7 @@ class BatchScheduler:
             "waiting": len(self.waiting),
             "steps": self.steps,
             "prompt_tokens_processed": self.prompt_tokens,
+            "shared_prefill_rows": self.shared_prefill_rows,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "cache_bytes": self.batch.nbytes,

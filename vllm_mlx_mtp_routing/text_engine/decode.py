@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_cache import BatchCache
+from .logprobs import TokenLogprob, row_logprobs
 from .rows import DecodeBatch, PrefillState
 from .sampling import RowSampler, sample_rows
 
@@ -42,6 +43,7 @@ class DecodeResult:
     tokens: list[list[int]]
     drafted: list[int] = field(default_factory=list)  # per row; empty means none
     accepted: list[int] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)  # per row, where asked for; empty: none
 
 
 class DecodeStrategy(Protocol):
@@ -84,4 +86,5 @@ class SingleTokenDecode:
         logits = model(mx.array(inputs, dtype=mx.uint32)[:, None], cache=cache.layers)[:, -1, :]
         tokens = sample_rows(logits, samplers)
         mx.eval(tokens, cache.state())
-        return DecodeResult([[t] for t in tokens.tolist()])
+        rows = [[t] for t in tokens.tolist()]
+        return DecodeResult(rows, logprobs=row_logprobs(logits[:, None], rows, samplers))

@@ -2,7 +2,8 @@
 
 Text is only released once it can no longer turn out to be (the start of) a stop string, so a
 stop string is never emitted even when it spans several tokens, and partial UTF-8 never leaves
-(the mlx-lm streaming detokenizers hold back incomplete characters).
+(the mlx-lm streaming detokenizers hold back incomplete characters; an incomplete one at the end
+of generation is dropped, see ``StopText.finish``).
 """
 
 from __future__ import annotations
@@ -59,10 +60,18 @@ class StopText:
         return self._update(self._detok.text)
 
     def finish(self) -> None:
-        """Flush the detokenizer at the end of generation (not needed after a stop string)."""
+        """Flush the detokenizer at the end of generation (not needed after a stop string).
+
+        The detokenizers decode what they held back with errors="replace": the bytes of a character
+        that max_tokens cut in two would end the text as U+FFFD. They are dropped (the character was
+        never whole); a U+FFFD already released mid-text (an invalid sequence) stays."""
         if not self.stopped:
+            held = self._detok.text
             self._detok.finalize()
-            self._update(self._detok.text)
+            full = self._detok.text
+            if full.startswith(held):
+                full = held + full[len(held) :].rstrip("\ufffd")
+            self._update(full)
 
     def take_new(self, final: bool) -> str:
         """Text not yet released; at a non-final step, hold back a possible stop-string start."""

@@ -22,6 +22,7 @@ from .batch import BatchScheduler, TextRequest
 from .decode import DecodeStrategy
 from .outputs import TextOutput
 from .sampling import SamplingOptions
+from .shared_prefill import SharedPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +95,17 @@ class TextEngine:
         snapshot_at: list[tuple[int, str]] | None = None,
         *,
         on_joined: Callable[[], None] | None = None,
+        share: SharedPrefill | None = None,
     ) -> str:
         """Queue a request. ``snapshot_at``: prompt positions worth a prefix-cache snapshot
         (``TextRequest``); ``on_joined`` runs (on the step's thread) when its prefill is done and it
-        joins the decode batch."""
+        joins the decode batch; ``share``: it is one of the n rows of a request, prefilled once."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
-        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined))
+        self.scheduler.add(TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined, share=share))
         self._queues[rid] = asyncio.Queue()
         self._wakeup.set()
         return rid

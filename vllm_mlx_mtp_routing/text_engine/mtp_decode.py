@@ -55,6 +55,8 @@ from .decode import DecodeResult
 from .draft_policy import DraftPolicy
 from .draft_schedule import DraftSchedule
 from .head_cache import PositionedKVCache
+from .logits_processing import steer_drafts
+from .logprobs import row_logprobs
 from .mtp_rows import MTPRowState
 from .rows import DecodeBatch, PrefillState
 from .sampling import RowSampler
@@ -233,7 +235,7 @@ class MTPDecode:
         cycle = None if self._last_end is None else end - self._last_end
         self._last_end = end
         self._record(cache, B, k, drafting, accepted, sum(keep), cycle)
-        return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted)
+        return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted, row_logprobs(logits, tokens, samplers))
 
     def _accept(
         self, logits: mx.array, drafts: mx.array | None, qs: dict[int, mx.array], drafting: list[bool],
@@ -307,7 +309,7 @@ class MTPDecode:
         qs: dict[int, list[mx.array]] = {i: [] for i in sampled}
         drafts = []
         for j in range(k):
-            logits = lm_head(self.head.backbone, h_out)[:, 0]
+            logits = steer_drafts(lm_head(self.head.backbone, h_out)[:, 0], samplers, drafting, drafts)
             tok = mx.argmax(logits, axis=-1)
             if sampled:
                 picks = []

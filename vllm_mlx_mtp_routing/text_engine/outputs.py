@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .logprobs import TokenLogprob
+
 
 @dataclass
 class TextOutput:
@@ -29,3 +31,6 @@ class TextOutput:
     mtp_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     error: str | None = None
+    # With ``logprobs`` requested: one entry per ``new_token_ids`` token, from the model's own logits
+    # (before penalties, processors and temperature); None otherwise.
+    logprobs: list[TokenLogprob] | None = None

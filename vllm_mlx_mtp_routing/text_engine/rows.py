@@ -25,8 +25,11 @@ from ..mlx_lm_internals import KVCache
 from .batch_cache import BatchCache, RaggedKVCache
 from .head_cache import PositionedKVCache
 from .detokenize import StopText
+from .logits_processing import RowLogits
+from .logprobs import TokenLogprob
 from .outputs import TextOutput
 from .sampling import RowSampler, SamplingOptions
+from .shared_prefill import SharedPrefill
 
 
 @dataclass
@@ -39,6 +42,8 @@ class TextRequest:
     snapshot_at: list[tuple[int, str]] = field(default_factory=list)
     # Called once when the request's prefill is done and it joins the decode batch.
     on_joined: Callable[[], None] | None = None
+    # One of the n rows of a request (OpenAI ``n``): the rows prefill once (shared_prefill.py).
+    share: SharedPrefill | None = None
 
 
 @dataclass
@@ -101,10 +106,12 @@ class Row:
     def __init__(self, req: TextRequest, tokenizer: Any, eos_ids: set[int], restored: PrefillState | None = None) -> None:
         self.req = req
         self.rid = req.request_id
-        self.sampler = RowSampler(req.options)
-        self.stop_ids = eos_ids | set(req.options.stop_token_ids)
-        self.text = StopText(tokenizer, req.options.stop)
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if req.options.logprobs else None  # one per token_ids entry
+        self.stop_ids = eos_ids | set(req.options.stop_token_ids)
+        self.sampler = RowSampler(req.options)
+        self.sampler.logits = RowLogits.for_row(req.options, req.prompt_ids, self.token_ids, self.stop_ids)
+        self.text = StopText(tokenizer, req.options.stop)
         self.prefill: PrefillState | None = restored  # the prefill-stage caches until the row joins
         self.decode: Any = None  # the decode strategy's per-row state once the row is in the batch
         self.next_input = req.prompt_ids[-1]
@@ -115,6 +122,7 @@ class Row:
         self.accepted = 0
         self.plan: Any = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
+        self.shared_prefill = False  # started from the prefill of another row of its request
 
     @property
     def prefilled(self) -> int:
@@ -124,10 +132,13 @@ class Row:
     def to_prefill(self) -> int:
         return len(self.req.prompt_ids) - 1
 
-    def add_tokens(self, tokens: list[int]) -> None:
-        """Append generated tokens, stopping at the first stop token/string or at max_tokens."""
-        for t in tokens:
+    def add_tokens(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append generated tokens (and their log-probabilities), stopping at the first stop token/string
+        or at max_tokens."""
+        for n, t in enumerate(tokens):
             self.token_ids.append(t)
+            if self.logprobs is not None and logprobs:
+                self.logprobs.append(logprobs[n])
             if t in self.stop_ids:
                 self.finish_reason = "stop"
             elif self.text.add(t):
@@ -160,6 +171,7 @@ class Row:
             mtp_accepted=self.accepted,
             cached_tokens=self.cached_tokens,
             error=error,
+            logprobs=self.logprobs[len(self.token_ids) - len(new_ids) :] if self.logprobs is not None else None,
         )
 
 

@@ -7,9 +7,14 @@ neither the batch size nor a row's position in the batch changes which random nu
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 @dataclass
@@ -22,6 +27,15 @@ class SamplingOptions:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # The host's logits processors for this row (JSON mode/schema, logit_bias, thinking budget), called
+    # as the host's batched path calls them: ``proc(generated_ids, logits[1, V]) -> logits``. Stateful,
+    # hence row-owned: ``logits_processing.fork_options`` gives another row its own copies.
+    logits_processors: list[Callable[[Any, Any], Any]] = field(default_factory=list)
+    presence_penalty: float = 0.0  # OpenAI: once per token present among the generated tokens
+    frequency_penalty: float = 0.0  # OpenAI: per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: prompt and generated tokens, sign-aware multiplicative
+    logprobs: bool = False  # report each generated token's log-probability (the model's own logits)
+    top_logprobs: int = 0  # and this many most likely alternatives per position
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,6 +52,11 @@ class SamplingOptions:
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        self.logits_processors = list(self.logits_processors or ())
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +72,7 @@ class RowSampler:
         self._seed = options.seed if options.seed is not None else random.getrandbits(63)
         self._key: mx.array | None = None  # built at first use, on the thread that steps
         self.fault: BaseException | None = None  # a sampling fault of this row alone (see row_check)
+        self.logits: Any = None  # the row's logits_processing.RowLogits, None when its logits go in untouched
 
     def next_key(self) -> mx.array:
         if self._key is None:
@@ -89,17 +109,25 @@ class RowSampler:
 
 
 def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
-    """Next token per row of ``logits`` [B, V]: argmax for greedy rows, own-key sampling otherwise."""
+    """Next token per row of ``logits`` [B, V]: argmax for greedy rows, own-key sampling otherwise,
+    each after the row's own logits processing where it has some."""
     greedy = mx.argmax(logits, axis=-1)
-    if all(s.greedy for s in samplers):
+    if all(s.greedy and s.logits is None for s in samplers):
         return greedy
-    rows = [greedy[i] if s.greedy else _sample_or_fault(s, logits[i], greedy[i]) for i, s in enumerate(samplers)]
+    rows = [
+        greedy[i] if s.greedy and s.logits is None else _sample_or_fault(s, logits[i], greedy[i])
+        for i, s in enumerate(samplers)
+    ]
     return mx.stack(rows).astype(greedy.dtype)
 
 
 def _sample_or_fault(sampler: RowSampler, logits: mx.array, fallback: mx.array) -> mx.array:
     # A row's own fault must not fail the step the batch shares: note it, let the row be failed alone.
     try:
+        if sampler.logits is not None:
+            logits = sampler.logits(logits)
+            if sampler.greedy:
+                return mx.argmax(logits, axis=-1)
         return sampler.sample(logits)
     except Exception as exc:
         sampler.fault = exc

@@ -1,0 +1,79 @@
+"""n rows of one request (OpenAI ``n``) prefilled once.
+
+The rows of a request arrive as separate requests carrying the same ``SharedPrefill``. The first
+to reach prefill leads: it prefills as any request does. When it joins the decode batch its
+prefill-stage state is kept (a prefix-cache ``Snapshot``: copies, never views of the leader's
+buffers) and every other row starts from a restore of it, through the insert API built for the
+prefix cache (``PrefillState``), with no prompt token prefilled again. A row whose prompt differs
+(a template that renders differently on each call) prefills alone; so does every row if the
+leader's state cannot be kept. The state is dropped once every row has joined or left, and at
+the latest with the ``SharedPrefill`` object itself (the HTTP request that made it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..prefix_cache.snapshot import Snapshot
+    from .rows import Row
+
+logger = logging.getLogger(__name__)
+
+
+class SharedPrefill:
+    """One request's ``rows`` rows: who leads, and the leader's state once it has joined."""
+
+    def __init__(self, rows: int) -> None:
+        if rows < 1:
+            raise ValueError("rows must be >= 1")
+        self.rows = rows
+        self.prompt: tuple[int, ...] | None = None
+        self.leader: Row | None = None
+        self.snapshot: Snapshot | None = None
+        self.unshareable = False  # the leader's state could not be kept: every row prefills alone
+        self.done = 0  # rows that joined or left
+
+    def ready(self, row: Row, model: Any, with_head: bool) -> bool:
+        """May ``row`` prefill now? A follower takes the leader's state here; False: it waits for the leader."""
+        if row.prefill is not None or row.to_prefill <= 0 or self.unshareable:
+            return True
+        prompt = tuple(row.req.prompt_ids)
+        if self.prompt is None:
+            self.prompt = prompt
+        elif prompt != self.prompt:
+            return True
+        if self.snapshot is not None:
+            from ..prefix_cache.snapshot import restore
+
+            row.prefill = restore([self.snapshot], model.make_cache(), with_head)
+            row.shared_prefill = True
+            return True
+        if self.leader is None or self.leader is row:
+            self.leader = row
+            return True
+        return False
+
+    def joined(self, row: Row, state: Any) -> None:
+        """``row`` is about to join the batch with ``state`` (before the batch takes it)."""
+        if row is self.leader and self.snapshot is None and self.done + 1 < self.rows:
+            from ..prefix_cache.snapshot import take
+
+            try:
+                self.snapshot = take(state, None)
+            except Exception as exc:  # sharing saves work only: the other rows prefill themselves
+                logger.warning("n rows: the prefilled state cannot be shared (%s); each row prefills alone", exc)
+                self.unshareable = True
+        self._count_done()
+
+    def left(self, row: Row) -> None:
+        """``row`` left before joining (aborted, or its prefill failed): another row leads."""
+        if row is self.leader:
+            self.leader = None
+        self._count_done()
+
+    def _count_done(self) -> None:
+        self.done += 1
+        if self.done >= self.rows:
+            self.snapshot = None
