@@ -74,6 +74,7 @@ from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 from step_costs import time_steps  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
@@ -321,6 +322,7 @@ def main() -> None:
             "device": str(mx.default_device()),
             "gpu": gpu_name(),
             "mlx": mx.__version__,
+            **provenance.record(),
             "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus, Python {platform.python_version()}",
             "k": a.k,
             "prompt_tokens": a.prompt_tokens,

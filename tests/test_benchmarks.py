@@ -110,3 +110,24 @@ def test_prefill_gdn_times_both_recurrences(tmp_path: Path) -> None:
     for r in rows:
         assert r["loop_s"] > 0 and r["chunked_s"] > 0 and r["speedup"] == pytest.approx(r["loop_s"] / r["chunked_s"], rel=0.02)
         assert r["last_logits_rel_diff"] < 0.1  # the same math: a chunking bug would be far off
+
+
+def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
+    """The realistic-shape GPU benchmark's logic at the tiny shape: forced acceptance reaches the
+    engine, every configuration and step cost is recorded with the commit, device and versions."""
+    import mtp_shapes_bench as MSB
+
+    out = tmp_path / "shapes.json"
+    assert MSB.main(["--smoke", "--batches", "2", "--prefill-tokens", "32", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["device"] and res["versions"]["mlx"] and res["versions"]["mlx_lm"]
+    assert res["prefill"]["mtp_over_plain"] > 0 and res["prefill"]["chunk_tokens"] >= 16
+    [row] = res["rows"]
+    assert row["batch"] == 2 and row["t1_ms"] > 0 and row["tm_ms"] > 0
+    assert {"t1_loop_ms", "t2_loop_ms", "t2_fused_ms", "t2_compiled_ms", "t2_compiled_layer_ms", "t2_nocapture_ms"} <= set(row)
+    assert {"gdn_layers_T1_loop_ms", "gdn_layers_T2_fused_ms", "attention_layers_T2_ms", "recurrence_compiled_T2_ms"} <= set(row["breakdown"])
+    assert not [k for k in row if k.endswith("_error")]
+    for name in ("mtp_a0.8", "aon_a0.8"):
+        r = row[name]
+        assert 0 < r["acceptance"] <= 1 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"], rel=0.02)
+    assert row["aon_a0.8"]["acceptance"] <= row["mtp_a0.8"]["acceptance"]

@@ -220,6 +220,8 @@ def test_flag_errors_name_the_flag_and_the_rule() -> None:
     assert "argument --mtp-max-batch-size: must be an integer >= 1, got 'x'" in result.stderr
     result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--scheduler-queue-timeout", "-3")
     assert result.returncode == 2 and "argument --scheduler-queue-timeout: must be a number of seconds > 0" in result.stderr
+    result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--mtp-prompt-pairs", "0")
+    assert result.returncode == 2 and "argument --mtp-prompt-pairs: must be an integer >= 1 or 'all', got 0" in result.stderr
 
 
 def test_serve_command_given_a_bare_namespace_uses_plugin_defaults() -> None:

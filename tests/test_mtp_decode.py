@@ -19,6 +19,8 @@ from mlx_lm.models.gated_delta import gated_delta_update
 from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
+from vllm_mlx_mtp_routing.backbone import RECURRENCES, gated_delta_layer, use_recurrence
+from vllm_mlx_mtp_routing.mlx_lm_internals import ArraysCache
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
 
 PREFILL = 16
@@ -138,13 +140,14 @@ def test_alone_equals_plain_all_accepted(tiny):
 
 def test_head_drafts_match_batch1_reference(tiny):
     """The head's batched ragged cache holds the same pairs as the batch-1 reference: its draft
-    for each position equals mtp_greedy_generate's (k = 2, with acceptance forced in both)."""
+    for each position equals mtp_greedy_generate's (k = 2, with acceptance forced in both). The
+    reference runs the head over the whole prompt, so the engine does too (prompt_pairs=None)."""
     bundle, tok = tiny
     k = 2
     prompts = _prompts([6, 13, 21], seed=5)
     truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [20, 20, 20]))]
     oracle = Oracle(prompts, truths, k, bundle.model.args.vocab_size, lambda i, n: (n + i) % (k + 1))
-    decode = Recording(bundle.mtp, k=k, adaptive=False, oracle=oracle)
+    decode = Recording(bundle.mtp, k=k, adaptive=False, oracle=oracle, prompt_pairs=None)
     run(bundle, tok, [(0, p, SamplingOptions(max_tokens=15)) for p in prompts], decode)
 
     class ForcedDrafter:  # the real head (its cache, its proposal recorded), the oracle's tokens
@@ -374,10 +377,17 @@ def test_head_resumes_after_plain_steps_at_the_right_positions(tiny, k):
     assert s["steps_with_mtp"] > 0 and s["steps_without_mtp"] > 2 * s["steps_with_mtp"]
 
 
-def test_the_captured_recurrence_is_mlx_lms(tiny):
-    """The verify's recurrence (gates once, one step per position, every state kept) gives what
-    mlx-lm's gated_delta_update gives over the whole sequence: a mlx-lm upgrade that changes the
-    internals it mirrors fails here, not in a benchmark."""
+@pytest.fixture(params=sorted(RECURRENCES))
+def recurrence(request):
+    before = use_recurrence(request.param)
+    yield request.param
+    use_recurrence(before)
+
+
+def test_the_captured_recurrence_is_mlx_lms(tiny, recurrence):
+    """The verify's recurrence (gates once, one step per position, every state kept), each
+    implementation, gives what mlx-lm's gated_delta_update gives over the whole sequence: a mlx-lm
+    upgrade that changes the internals it mirrors fails here, not in a benchmark."""
     bundle, _ = tiny
     lin = next(layer.linear_attn for layer in bundle.model.model.layers if layer.is_linear)
     B, S = 3, 4
@@ -394,3 +404,52 @@ def test_the_captured_recurrence_is_mlx_lms(tiny):
     assert mx.array_equal(y, y_ref) and mx.array_equal(states[-1], state_ref)
     _, state_2 = gated_delta_update(q[:, :2], k[:, :2], v[:, :2], a[:, :2], b[:, :2], lin.A_log, lin.dt_bias, state)
     assert mx.array_equal(states[1], state_2)
+
+
+def test_the_head_takes_only_the_prompts_last_pairs_at_their_positions(tiny):
+    """prompt_pairs: chunks before the prompt's last pairs run the backbone alone; the head starts
+    at the chunk that holds them, its keys are exactly the whole-prompt head's keys of those
+    positions (rotated where they sit), and decoding from there keeps every pair at its own
+    position and the output exact."""
+    bundle, tok = tiny
+    prompt = _prompts([40], seed=6)[0]
+
+    def prefilled(decode):
+        from vllm_mlx_mtp_routing.text_engine import PrefillState
+
+        state = PrefillState(backbone=bundle.model.make_cache(), prefill_to=len(prompt) - 1)
+        for s in range(0, len(prompt) - 1, PREFILL):
+            chunk = mx.array(prompt[s : min(s + PREFILL, len(prompt) - 1)], dtype=mx.uint32)[None]
+            decode.prefill(bundle.model, chunk, state)
+            state.prefilled += chunk.shape[1]
+        return state
+
+    full = prefilled(MTPDecode(bundle.mtp, k=1, prompt_pairs=None))
+    window = prefilled(MTPDecode(bundle.mtp, k=1, prompt_pairs=4))  # positions 35.. sit in the chunk from 32
+    [c] = window.head
+    assert c.start == 32 and c.offset == full.head[0].offset == len(prompt) - 2
+    n = c.offset - c.start
+    assert mx.array_equal(c.state[0], full.head[0].state[0][..., 32:, :]) and c.state[0].shape[2] == n
+    assert mx.array_equal(window.head_hidden, full.head_hidden)
+
+    prompts = [prompt, *_prompts([9, 33], seed=7)]
+    ref = _plain(bundle, tok, prompts, [14, 14, 14])
+    decode = Pattern(bundle.mtp, k=2, adaptive=False, prompt_pairs=4, plain=0, mtp=1)
+    finals, _ = run(bundle, tok, [(0, p, SamplingOptions(max_tokens=14)) for p in prompts], decode)
+    assert [finals[i].token_ids for i in range(3)] == ref
+    assert {g for step in decode.gaps for g in step} == {0}
+    assert decode.stats()["drafted"] > 0
+
+
+def test_the_verify_layer_is_mlx_lms_layer(tiny, recurrence):
+    """The verify's gated-delta layer with each recurrence (compiled_layer: the whole layer one
+    compiled graph) equals mlx-lm's own layer, output and cache, over two calls."""
+    bundle, _ = tiny
+    lin = next(layer.linear_attn for layer in bundle.model.model.layers if layer.is_linear)
+    x = mx.random.normal((3, 2, bundle.model.args.hidden_size), key=mx.random.key(8))
+    ours, theirs = ArraysCache(2), ArraysCache(2)
+    for _ in range(2):
+        out, _, states = gated_delta_layer(lin, x, None, ours, capture=True)
+        ref = lin(x, cache=theirs)
+        assert mx.array_equal(out, ref) and len(states) == 2
+        assert all(mx.array_equal(a, b) for a, b in zip(ours.cache, theirs.cache))

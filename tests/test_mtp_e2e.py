@@ -31,9 +31,13 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path) -> None
         mtp = status["plugins"]["mtp-routing"]["mtp"]
         # the host's own status block tells the same story: MTP runs on the text path
         assert status["mtp"]["path"] == "text" and status["mtp"]["drafted"] == mtp["drafted"]
-    with serve(TRAINED, *flags, "--enable-mtp", "--mtp-schedule", "always", log_dir=tmp_path) as server:
+    # every step drafting, and the head over only the prompts' last 4 positions: the prefill's first
+    # chunk runs without it, the head starts at a later position (and must keep the output exact)
+    with serve(TRAINED, *flags, "--enable-mtp", "--mtp-schedule", "always", "--mtp-prompt-pairs", "4",
+               log_dir=tmp_path) as server:
         always = greedy(server)
         fixed = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
+        assert "head over the prompt's last 4 positions" in server.log()
     with serve(TRAINED, *flags, log_dir=tmp_path) as server:
         without = greedy(server)
         assert httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"] == {"enabled": False}

@@ -12,6 +12,8 @@ that keeps the first n of S verified tokens takes state n - 1 and the conv windo
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -39,37 +41,23 @@ def lm_head(text_model: Any, h: mx.array) -> mx.array:
     return text_model.lm_head(h)
 
 
-def _recurrence_with_states(
-    lin: nn.Module,
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    a: mx.array,
-    b: mx.array,
-    state: mx.array | None,
+Recurrence = Callable[..., tuple[mx.array, list[mx.array]]]
+
+
+def _recurrence_loop(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
     mask: mx.array | None = None,
 ) -> tuple[mx.array, list[mx.array]]:
-    """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
-
-    CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept.
-    Elsewhere mlx-lm's ``gated_delta_update`` computes the gates and the GQA repeat once per call
-    and then (CPU) loops its compiled single step over the positions, or (Metal) runs one fused
-    kernel over all of them; the capture does the same loop with the per-position states kept:
-    gates and repeat once, then one step per position (the Metal kernel over one position).
-    Calling ``gated_delta_update`` per position instead repeated the gates and the repeat S times,
-    ~36 more launches per verify step, which a launch-bound GPU pays in full.
-    """
-    B, S, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    beta = mx.sigmoid(b)
-    g = compute_g(lin.A_log, a, lin.dt_bias)
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if not lin.training and fused_available():
-        y, states = gated_delta_fused(q, k, v, g, beta, state, mask=mask, capture=True)
-        return y, [states[:, t] for t in range(S)]
+    """mlx-lm's recurrence with every state kept. ``gated_delta_update`` computes the gates and
+    the GQA repeat once per call and then (CPU, CUDA) loops its compiled single step over the
+    positions, or (Metal) runs one fused kernel over all of them; this does the same, keeping the
+    state after each position. (Calling ``gated_delta_update`` per position repeated the gates and
+    the repeat S times, ~36 more launches per verify, which a launch-bound GPU pays in full.)"""
     if mask is not None:
         raise ValueError("capturing gated-delta states needs unmasked (unpadded) rows")
+    S, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
+    beta = mx.sigmoid(b)
+    g = compute_g(lin.A_log, a, lin.dt_bias)
     metal = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
     if not metal and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
@@ -86,6 +74,100 @@ def _recurrence_with_states(
     return mx.concatenate(ys, axis=1), states
 
 
+def _recurrence_fused(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, list[mx.array]]:
+    """CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept;
+    elsewhere mlx-lm's loop."""
+    if lin.training or not fused_available():
+        return _recurrence_loop(lin, q, k, v, a, b, state, mask)
+    y, states = gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state,
+                                  mask=mask, capture=True)
+    return y, [states[:, t] for t in range(q.shape[1])]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_positions(repeat: int) -> Callable[..., tuple[mx.array, list[mx.array]]]:
+    """The gates, the GQA repeat and every position's step as ONE compiled graph (mx.compile
+    retraces per shape): elementwise work fuses across positions instead of one compiled step
+    per position plus separate gate, repeat and concatenate launches. Same operations, in the
+    same order and precision, as ``compute_g`` and mlx-lm's single step."""
+
+    def run(q, k, v, a, b, A_log, dt_bias, state):
+        beta = mx.sigmoid(b)
+        g = mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+        if repeat > 1:
+            q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+        ys, states = [], []
+        for t in range(q.shape[1]):
+            state = state * g[:, t][..., None, None]
+            kv_mem = (state * k[:, t][..., None, :]).sum(axis=-1)
+            delta = (v[:, t] - kv_mem) * beta[:, t][..., None]
+            state = state + k[:, t][..., None, :] * delta[..., None]
+            ys.append((state * q[:, t][..., None, :]).sum(axis=-1).astype(q.dtype))
+            states.append(state)
+        return mx.stack(ys, axis=1), states
+
+    return mx.compile(run)
+
+
+def _recurrence_compiled(
+    lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, list[mx.array]]:
+    if mask is not None or lin.training or (mx.default_device() == mx.gpu and mx.metal.is_available()):
+        return _recurrence_loop(lin, q, k, v, a, b, state, mask)  # Metal has mlx-lm's fused kernel
+    return _compiled_positions(v.shape[2] // q.shape[2])(q, k, v, a, b, lin.A_log, lin.dt_bias, state)
+
+
+# The verify's recurrence, by name; ``use_recurrence`` swaps it (benchmarks compare them in one
+# process; another kernel with the same signature slots in the same way). "fused" is the default:
+# the CUDA kernel where it runs, mlx-lm's loop elsewhere. "compiled_layer": the default recurrence
+# inside the verify's whole gated-delta layer, compiled as one graph.
+RECURRENCES: dict[str, Recurrence] = {
+    "fused": _recurrence_fused, "loop": _recurrence_loop, "compiled": _recurrence_compiled,
+    "compiled_layer": _recurrence_fused,
+}
+_active: list[Recurrence] = [_recurrence_fused]
+_compile_layers = [False]
+
+
+def use_recurrence(recurrence: str | Recurrence) -> str | Recurrence:
+    """Make ``recurrence`` (a name in ``RECURRENCES`` or a function) the verify's; returns the one
+    before (its name where it has one)."""
+    if _compile_layers[0]:
+        previous: str | Recurrence = "compiled_layer"
+    else:
+        previous = next((n for n, f in RECURRENCES.items() if f is _active[0]), _active[0])
+    _active[0] = RECURRENCES[recurrence] if isinstance(recurrence, str) else recurrence
+    _compile_layers[0] = recurrence == "compiled_layer"
+    return previous
+
+
+def _recurrence_with_states(
+    lin: nn.Module,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, list[mx.array]]:
+    """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
+
+    q, k [B, S, Hk, Dk] (normalized, scaled), v [B, S, Hv, Dv], a, b [B, S, Hv] (the raw gate
+    projections), state [B, Hv, Dv, Dk] float32 or None (zeros). Runs the active implementation
+    (``use_recurrence``); every implementation equals mlx-lm's ``gated_delta_update`` (to
+    rounding on CUDA, bitwise on CPU).
+    """
+    if state is None:
+        B, Hv, Dv, Dk = q.shape[0], v.shape[2], v.shape[3], q.shape[3]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    return _active[0](lin, q, k, v, a, b, state, mask)
+
+
 def _recurrence(
     lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: Any, mask: Any
 ) -> tuple[mx.array, mx.array]:
@@ -100,27 +182,19 @@ def _recurrence(
     return gated_delta_update(q, k, v, a, b, lin.A_log, lin.dt_bias, state, mask, use_kernel=not lin.training)
 
 
-def gated_delta_layer(
-    lin: nn.Module, x: mx.array, mask: mx.array | None, cache: Any, capture: bool = False
-) -> tuple[mx.array, mx.array, list[mx.array]]:
-    """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) with the recurrence chosen above -> (output,
-    the conv window input, with ``capture`` the recurrent state after every position)."""
+def _layer_core(
+    lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool
+) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) as a function of its inputs and state ->
+    (output, the conv window input, the final recurrent state, with ``capture`` every state)."""
     B, S, _ = x.shape
     qkv = lin.in_proj_qkv(x)
     z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     b = lin.in_proj_b(x)
     a = lin.in_proj_a(x)
-    n_keep = lin.conv_kernel_size - 1
-    conv_state = cache[0] if cache is not None and cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    if cache is not None:
-        if cache.lengths is not None:
-            ends = mx.clip(cache.lengths, 0, S)
-            cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
-        else:
-            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
     conv_out = nn.silu(lin.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -133,18 +207,49 @@ def gated_delta_layer(
     inv_scale = k.shape[-1] ** -0.5
     q = (inv_scale**2) * mx.fast.rms_norm(q, None, 1e-6)
     k = inv_scale * mx.fast.rms_norm(k, None, 1e-6)
-    state = cache[1] if cache else None
     if capture:
         y, states = _recurrence_with_states(lin, q, k, v, a, b, state, mask)
         final = states[-1]
     else:
         y, final = _recurrence(lin, q, k, v, a, b, state, mask)
         states = []
+    out = lin.norm(y, z)
+    return lin.out_proj(out.reshape(B, S, -1)), conv_input, final, states
+
+
+_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, list[mx.array]]]] = {}
+
+
+def gated_delta_layer(
+    lin: nn.Module, x: mx.array, mask: mx.array | None, cache: Any, capture: bool = False
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) with the recurrence chosen above, updating
+    ``cache`` -> (output, the conv window input, with ``capture`` the recurrent state after every
+    position). With ``use_recurrence("compiled_layer")`` the verify's layer (capture, no mask) is
+    one compiled graph per layer (its weights are constants of the graph: inference never changes
+    them)."""
+    B, S, _ = x.shape
+    n_keep = lin.conv_kernel_size - 1
+    conv_state = cache[0] if cache is not None and cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
+    state = cache[1] if cache else None
+    if capture and mask is None and _compile_layers[0]:
+        if state is None:
+            state = mx.zeros((B, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), dtype=mx.float32)
+        core = _compiled_cores.get(id(lin))
+        if core is None:
+            core = _compiled_cores[id(lin)] = mx.compile(functools.partial(_layer_core, lin, mask=None, capture=True))
+        out, conv_input, final, states = core(x, conv_state, state)
+    else:
+        out, conv_input, final, states = _layer_core(lin, x, conv_state, state, mask, capture)
     if cache is not None:
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
         cache[1] = final
         cache.advance(S)
-    out = lin.norm(y, z)
-    return lin.out_proj(out.reshape(B, S, -1)), conv_input, states
+    return out, conv_input, states
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

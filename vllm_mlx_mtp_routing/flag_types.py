@@ -41,3 +41,16 @@ def non_negative(value: str) -> float:
     if not math.isfinite(number) or number < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r}")
     return number
+
+
+def count_or_all(value: str) -> int | None:
+    """An integer >= 1, or 'all' (None)."""
+    if value.strip().lower() == "all":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'all', got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'all', got {number}")
+    return number

@@ -13,7 +13,8 @@ from . import __version__, admission
 from .prefix_cache import settings as prefix_settings
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
-from .flag_types import int_at_least, non_negative
+from .flag_types import count_or_all, int_at_least, non_negative
+from .text_engine.mtp_decode import DEFAULT_PROMPT_PAIRS
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
@@ -33,6 +34,7 @@ class _State:
     routing_active: bool = False
     mtp_schedule: str = "adaptive"
     mtp_max_batch_size: int | None = None
+    mtp_prompt_pairs: int | None = DEFAULT_PROMPT_PAIRS
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None
     warm_prompts: str | None = None
@@ -65,6 +67,15 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         help="Text-path MTP drafts only while the batch has at most N rows (default: no limit).",
     )
     group.add_argument(
+        "--mtp-prompt-pairs",
+        type=count_or_all,
+        default=DEFAULT_PROMPT_PAIRS,
+        metavar="N|all",
+        help=f"Text-path MTP: the MTP head takes the prompt's last N positions in the prefill (default "
+        f"{DEFAULT_PROMPT_PAIRS}); 'all': every position, which costs a long prompt's prefill the model's last "
+        "layer and the head at every position for a little more acceptance.",
+    )
+    group.add_argument(
         "--prefill-stall-ratio",
         type=non_negative,
         default=DEFAULT_STALL_RATIO,
@@ -81,6 +92,7 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.admission = admission.validate(args)
     STATE.mtp_schedule = args.mtp_schedule
     STATE.mtp_max_batch_size = args.mtp_max_batch_size
+    STATE.mtp_prompt_pairs = getattr(args, "mtp_prompt_pairs", DEFAULT_PROMPT_PAIRS)
     STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
     STATE.prefix_cache = prefix_settings.from_args(args)
     STATE.warm_prompts = getattr(args, "warm_prompts", None)
@@ -193,10 +205,13 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
             k=router.settings.mtp_num_draft_tokens,
             adaptive=STATE.mtp_schedule == "adaptive",
             max_batch_size=STATE.mtp_max_batch_size,
+            prompt_pairs=STATE.mtp_prompt_pairs,
         )
         logger.info(
-            "mtp-routing: MTP speculative decoding on the text path, k=%d, per-row acceptance, schedule %s, max batch %s",
+            "mtp-routing: MTP speculative decoding on the text path, k=%d, per-row acceptance, schedule %s, max batch %s, "
+            "head over the prompt's last %s positions",
             router.settings.mtp_num_draft_tokens, STATE.mtp_schedule, STATE.mtp_max_batch_size or "unlimited",
+            STATE.mtp_prompt_pairs or "all",
         )
     elif router.settings.enable_mtp:
         logger.warning(

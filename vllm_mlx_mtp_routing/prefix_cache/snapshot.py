@@ -96,7 +96,9 @@ def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
         else:
             raise TypeError(f"no snapshot for cache type {type(c).__name__}")
     head = None
-    if state.head is not None and state.head_hidden is not None:
+    # A head that started past position 0 (text_engine.head_cache: its prompt window, or after a
+    # restore without it) has no segments from 0: it is not kept.
+    if state.head is not None and state.head_hidden is not None and not any(hasattr(c, "start") for c in state.head):
         # The head's segments extend the base's only where the base has them; else from 0.
         starts = [kv.end for kv in base.head] if base is not None and base.head is not None else [0] * len(state.head)
         head = [_kv_segment(c, s) for c, s in zip(state.head, starts)]

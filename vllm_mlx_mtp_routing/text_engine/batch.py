@@ -203,6 +203,7 @@ class BatchScheduler:
 
     def _prefill_chunk(self, seq: Row) -> int:
         state = self._prefill_state(seq)
+        state.prefill_to = seq.to_prefill
         start = state.prefilled
         n = self._chunk_len(seq)
         chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]

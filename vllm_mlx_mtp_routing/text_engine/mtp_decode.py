@@ -54,6 +54,7 @@ from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult
 from .draft_policy import DraftPolicy
 from .draft_schedule import DraftSchedule
+from .head_cache import PositionedKVCache
 from .logits_processing import steer_drafts
 from .logprobs import row_logprobs
 from .mtp_rows import MTPRowState
@@ -65,6 +66,9 @@ from .sampling import RowSampler
 # replaces the drafter (tests and benchmarks force acceptance with it); a row whose drafts it
 # changes counts them as deterministic (q = one-hot), which keeps sampling exact for any proposal.
 DraftHook = Callable[[list[list[int]], list[list[int] | None]], list[list[int] | None]]
+
+DEFAULT_PROMPT_PAIRS = 256
+
 
 class MTPDecode:
     """Batched MTP speculative decoding for the text engine (see the module docstring).
@@ -84,6 +88,7 @@ class MTPDecode:
         max_batch_size: int | None = None,
         per_row_acceptance: bool = True,
         resume_window: int = 8,
+        prompt_pairs: int | None = DEFAULT_PROMPT_PAIRS,
         draft_hook: DraftHook | None = None,
         **policy_options: Any,
     ) -> None:
@@ -98,6 +103,14 @@ class MTPDecode:
         # are skipped), so a plain step never runs the head and a resume costs at most
         # window / (k + 1) head forwards.
         self.window = max(resume_window, k + 1)
+        # The head over the prompt in the prefill: from the chunk that holds the prompt's last
+        # ``prompt_pairs`` positions on (None: every position). Each position the head takes costs
+        # the prefill the backbone's last layer there (a prefill without MTP never computes its
+        # output) and the head's projections: +21% on a 3K-token prefill of the tiny trained
+        # model on CPU when it takes them all.
+        if prompt_pairs is not None and prompt_pairs < 1:
+            raise ValueError(f"prompt_pairs must be >= 1 or None, got {prompt_pairs}")
+        self.prompt_pairs = prompt_pairs
         self.draft_hook = draft_hook
         self._batch: DecodeBatch | None = None
         self._version = -1
@@ -142,17 +155,22 @@ class MTPDecode:
         return self._batch.head
 
     def prefill(self, model: nn.Module, tokens: mx.array, state: PrefillState) -> None:
+        start, end = state.prefilled, state.prefilled + tokens.shape[1]
+        if state.head is None:
+            if self.prompt_pairs is not None and state.prefill_to is not None and end <= state.prefill_to - self.prompt_pairs:
+                # Before the head's pairs: mlx-lm's own forward, which costs what a prefill without
+                # MTP costs (nothing reads the last layer's output, so it is never computed).
+                model(tokens, cache=state.backbone)
+                state.head_hidden = None
+                mx.eval([c.state for c in state.backbone])
+                return
+            # The head starts here: at 0, or past a restored prefix or the positions before its
+            # window, which it skips (drafts are verified, so only acceptance can suffer).
+            state.head = self.head.make_cache() if not start else [PositionedKVCache(start) for _ in self.head.layers]
+            state.head_hidden = None
         _, hidden, _ = backbone_forward(
             model, tokens, state.backbone, hidden_state_mode=self.hidden_state_mode, logits=False
         )
-        if state.head is None and state.prefilled:
-            # Restored without the head's pairs: the head starts at the row's join, skipping the
-            # positions before its last pair (drafts are verified, so only acceptance suffers).
-            state.head_hidden = hidden[:, -1:]
-            mx.eval([c.state for c in state.backbone], state.head_hidden)
-            return
-        if state.head is None:
-            state.head = self.head.make_cache()
         mcache = state.head
         prev = state.head_hidden
         # The head's pair at position t is (hidden_t, token_{t+1}): a chunk's last hidden state
@@ -204,7 +222,7 @@ class MTPDecode:
         logits, hidden, captured = backbone_forward(
             model, feed, cache.layers, hidden_state_mode=self.hidden_state_mode, capture=k > 0
         )
-        tokens, accepted = accept_rows(logits, drafts, qs, drafting, samplers, k, self.per_row_acceptance)
+        tokens, accepted = self._accept(logits, drafts, qs, drafting, samplers, k)
         keep = [len(t) for t in tokens]
         cache.rollback(captured, keep, k + 1)
         for i, (r, toks) in enumerate(zip(rows, tokens)):
@@ -218,6 +236,14 @@ class MTPDecode:
         self._last_end = end
         self._record(cache, B, k, drafting, accepted, sum(keep), cycle)
         return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted, row_logprobs(logits, tokens, samplers))
+
+    def _accept(
+        self, logits: mx.array, drafts: mx.array | None, qs: dict[int, mx.array], drafting: list[bool],
+        samplers: list[RowSampler], k: int,
+    ) -> tuple[list[list[int]], list[int]]:
+        """The verify's tokens and accepted counts per row (``testing.forced_acceptance`` overrides
+        it to make acceptance a controlled input)."""
+        return accept_rows(logits, drafts, qs, drafting, samplers, k, self.per_row_acceptance)
 
     # -- drafting ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from ..mlx_lm_internals import KVCache
 
 from .batch_cache import BatchCache, RaggedKVCache
+from .head_cache import PositionedKVCache
 from .detokenize import StopText
 from .logits_processing import RowLogits
 from .logprobs import TokenLogprob
@@ -56,7 +57,8 @@ class PrefillState:
     - ``head``: the MTP head's caches (``MTPHead.make_cache()``: one ``KVCache`` per head layer)
       holding the pairs (hidden_t, token_t+1) for t < prefilled - 1, i.e. prefilled - 1 entries.
       None: the head starts empty at that position (it skips the missing positions; drafts are
-      still verified, so only acceptance can suffer).
+      still verified, so only acceptance can suffer). A head that started past 0 (its window of
+      the prompt, or after a restore without it) holds ``PositionedKVCache``s from there.
     - ``head_hidden``: [1, 1, H], the backbone's hidden state at position prefilled - 1 (what the
       MTP head reads: post-norm unless the config says pre_norm); its pair waits for the next
       token. None: that pair is skipped too.
@@ -72,6 +74,7 @@ class PrefillState:
     head_hidden: mx.array | None = None
     prefilled: int = 0
     position: int | None = None
+    prefill_to: int | None = None  # len(prompt) - 1, set by the scheduler: where the prefill ends
 
     @property
     def next_position(self) -> int:
@@ -206,8 +209,8 @@ class DecodeBatch:
             head = state.head if state.head is not None else [KVCache() for _ in self.head]
             if len(head) != len(self.head):
                 raise ValueError(f"{len(head)} head caches for a head of {len(self.head)} layers")
-            for c, rc in zip(self.head, head):
-                c.add_row(rc)
+            for c, rc in zip(self.head, head):  # a head that started past 0 skips the positions before
+                c.add_row(rc.held(), rc.start) if isinstance(rc, PositionedKVCache) else c.add_row(rc)
         self.rows.append(row)
         self.version += 1
 

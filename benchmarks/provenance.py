@@ -1,0 +1,54 @@
+"""What every benchmark result file records: the commit, the device and the package versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """BENCH_COMMIT (set by the GPU scripts, whose copy of the tree may have no .git) or git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10, check=False)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def device() -> str:
+    """MLX's default device, with the NVIDIA GPU's name and driver when MLX runs on one."""
+    import mlx.core as mx
+
+    line = str(mx.default_device())
+    if mx.default_device() == mx.gpu:
+        try:
+            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20, check=False).stdout.strip()
+            line += f" ({gpu.splitlines()[0]})" if gpu else ""
+        except OSError:
+            pass
+    return line
+
+
+def versions() -> dict:
+    import mlx.core as mx
+
+    out = {"mlx": mx.__version__, "python": platform.python_version(),
+           "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus"}
+    for mod in ("mlx_lm", "mlx_vlm", "vllm_mlx"):
+        try:
+            out[mod] = getattr(__import__(mod), "__version__", None)
+        except Exception:  # noqa: BLE001 - informative only
+            out[mod] = None
+    return out
+
+
+def record() -> dict:
+    return {"commit": commit(), "device": device(), "versions": versions()}
