@@ -44,6 +44,11 @@ def lm_head(text_model: Any, h: mx.array) -> mx.array:
 Recurrence = Callable[..., tuple[mx.array, list[mx.array]]]
 
 
+def zero_state(lin: nn.Module, batch: int) -> mx.array:
+    """The recurrent state a gated-delta layer starts from (what mlx-lm builds for an empty cache)."""
+    return mx.zeros((batch, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), dtype=mx.float32)
+
+
 def _recurrence_loop(
     lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
     mask: mx.array | None = None,
@@ -162,10 +167,7 @@ def _recurrence_with_states(
     (``use_recurrence``); every implementation equals mlx-lm's ``gated_delta_update`` (to
     rounding on CUDA, bitwise on CPU).
     """
-    if state is None:
-        B, Hv, Dv, Dk = q.shape[0], v.shape[2], v.shape[3], q.shape[3]
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    return _active[0](lin, q, k, v, a, b, state, mask)
+    return _active[0](lin, q, k, v, a, b, zero_state(lin, q.shape[0]) if state is None else state, mask)
 
 
 def _recurrence(
@@ -174,9 +176,7 @@ def _recurrence(
     """The recurrence without capture: the fused kernel on CUDA, mlx-lm's own call elsewhere
     (so CPU and Metal run exactly what mlx-lm's model runs)."""
     if not lin.training and fused_available():
-        if state is None:
-            B, _, _, Dk = q.shape
-            state = mx.zeros((B, *v.shape[-2:], Dk), dtype=mx.float32)
+        state = zero_state(lin, q.shape[0]) if state is None else state
         g = compute_g(lin.A_log, a, lin.dt_bias)
         return gated_delta_fused(q, k, v, g, mx.sigmoid(b), state, mask=mask)
     return gated_delta_update(q, k, v, a, b, lin.A_log, lin.dt_bias, state, mask, use_kernel=not lin.training)
@@ -233,8 +233,7 @@ def gated_delta_layer(
     conv_state = cache[0] if cache is not None and cache[0] is not None else mx.zeros((B, n_keep, lin.conv_dim), x.dtype)
     state = cache[1] if cache else None
     if capture and mask is None and _compile_layers[0]:
-        if state is None:
-            state = mx.zeros((B, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), dtype=mx.float32)
+        state = zero_state(lin, B) if state is None else state
         core = _compiled_cores.get(id(lin))
         if core is None:
             core = _compiled_cores[id(lin)] = mx.compile(functools.partial(_layer_core, lin, mask=None, capture=True))

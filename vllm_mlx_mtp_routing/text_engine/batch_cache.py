@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from ..backbone import Captured, rollback_rows
+from ..backbone import Captured, rollback_rows, zero_state
 from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
 
 
@@ -328,8 +328,7 @@ def _gated_delta_zero_state(layer: nn.Module, dtype: mx.Dtype) -> list[mx.array]
     """What a GatedDeltaNet starts from when its cache is empty (qwen3_5/qwen3_next layout)."""
     lin = layer.linear_attn
     conv = mx.zeros((1, lin.conv_kernel_size - 1, lin.conv_dim), dtype=dtype)
-    rec = mx.zeros((1, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), dtype=mx.float32)
-    return [conv, rec]
+    return [conv, zero_state(lin, 1)]
 
 
 class BatchCache:
