@@ -99,6 +99,10 @@ def random_model(shape: str, dtype):
         mx.eval(layer.parameters())
     model.set_dtype(dtype)
     mx.eval(model.parameters())
+    # A module is built in training mode; mlx-lm's load() switches to eval, and the gated-delta layer
+    # picks its kernel only in eval (in training it runs the per-position loop of ops: ~30x slower
+    # prefill on CUDA, which is what the first GPU run of this benchmark measured as "dense").
+    model.train(False)
     if cfg["model_type"] != "qwen3":
         # As the server's text model gets in text_model.py (and a draft in scoring.prepare_draft): the fused
         # gated-delta recurrence on MLX's CUDA backend; a no-op elsewhere.

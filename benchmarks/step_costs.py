@@ -80,6 +80,8 @@ def build(text_config: dict, dtype_name: str):
         m.update(tree_unflatten([(k, v if k.endswith("A_log") else v.astype(dtype))
                                  for k, v in tree_flatten(m.parameters())]))
     mx.eval(model.parameters(), mtp.parameters())
+    model.train(False)  # as mlx-lm's load() leaves it: the gated-delta layer uses its kernel only in eval
+    mtp.train(False)
 
     def head(h):
         if args.tie_word_embeddings:

@@ -39,6 +39,7 @@ def prepare_draft(draft: nn.Module) -> nn.Module:
     the draft's prefill cost about what the target's does. Same arithmetic to rounding. Idempotent."""
     from ..backbone import use_fused_recurrence
 
+    draft.train(False)  # a module built in code starts in training mode, where no recurrence kernel runs
     use_fused_recurrence(text_model(draft))  # layers without a gated-delta layer are left as they are
     return draft
 
