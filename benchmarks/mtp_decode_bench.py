@@ -71,6 +71,7 @@ from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
 from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.draft_policy_explore import ExploringDraftPolicy  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -285,6 +286,8 @@ def main() -> None:
                     help="force this acceptance with a draft hook (default: 0.7 on the random tiny model only)")
     ap.add_argument("--repeats", type=int, default=4, help="timed rounds after the warm-up round")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated configurations to run beside plain and plain_control (default: all)")
     ap.add_argument("--quick", action="store_true", help="batches 1,4; 32 tokens; one repeat")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -339,6 +342,8 @@ def main() -> None:
     for B in batches:
         prompts = prompts_all[:B]
         adaptive = lambda: MTPDecode(bundle.mtp, k=a.k, adaptive=True, draft_hook=hook)  # noqa: E731
+        explore = lambda: MTPDecode(bundle.mtp, k=a.k, draft_hook=hook,  # noqa: E731
+                                    policy=ExploringDraftPolicy(a.k, adaptive=True))
         # name -> (factory, reuse): a reused strategy serves every round, as the server's does
         # (what its adaptive schedule learnt persists); the others start fresh each run.
         configs = {
@@ -348,7 +353,11 @@ def main() -> None:
                                                 draft_hook=hook), False),
             "mtp_adaptive": (adaptive, True),
             "mtp_adaptive_cold": (adaptive, False),
+            "mtp_explore": (explore, True),
+            "mtp_explore_cold": (explore, False),
         }
+        if a.configs:
+            configs = {n: c for n, c in configs.items() if n in ("plain", *a.configs.split(","))}
         for k in extra_k:
             configs[f"mtp_k{k}"] = (lambda k=k: MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=hook), False)
         # Plain again at the end of each round: its "speedup" is the noise floor of the others.

@@ -21,6 +21,8 @@ from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 from vllm_mlx_mtp_routing.backbone import RECURRENCES, gated_delta_layer, use_recurrence
 from vllm_mlx_mtp_routing.mlx_lm_internals import ArraysCache
+from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts
+from vllm_mlx_mtp_routing.text_engine.draft_policy import DraftPolicy
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
 
 PREFILL = 16
@@ -194,7 +196,7 @@ def test_adaptive_falls_back_when_drafts_are_rejected(tiny):
     bundle, tok = tiny
     prompts = _prompts([7, 12], seed=9)
     ref = _plain(bundle, tok, prompts, [40, 40])
-    decode = MTPDecode(bundle.mtp, k=1, adaptive=True, probe_every=8, explore_every=10**9)
+    decode = MTPDecode(bundle.mtp, k=1, adaptive=True)
     finals, _ = run(bundle, tok, [(0, p, SamplingOptions(max_tokens=40)) for p in prompts], decode)
     assert [finals[i].token_ids for i in range(2)] == ref
     s = decode.stats()
@@ -210,8 +212,10 @@ def test_a_low_acceptance_row_drafts_while_its_batch_does(tiny):
     ref = _plain(bundle, tok, prompts, [30, 12])
     truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [33, 15]))]
     oracle = Oracle(prompts, truths, 1, bundle.model.args.vocab_size, lambda i, n: int(i == 1))
-    decode = Recording(bundle.mtp, k=1, adaptive=True, explore_every=10**9, probe_every=10**9, oracle=oracle)
-    decode.schedule.choose = lambda batch: 1  # the per-step choice is not under test here
+    # Step costs as if measured: drafting pays for the pair whatever one row accepts (1.2 plain
+    # steps at batch 2), and alone only at a high acceptance (1.9).
+    policy = DraftPolicy(1, costs=DraftCosts(known={1: 1.9, 2: 1.2}))
+    decode = Recording(bundle.mtp, k=1, oracle=oracle, policy=policy)
     jobs = [(0, p, SamplingOptions(max_tokens=m)) for p, m in zip(prompts, [30, 12])]
     finals, _ = run(bundle, tok, jobs, decode)
     assert [finals[i].token_ids for i in range(2)] == ref
@@ -337,6 +341,32 @@ def test_seeded_requests_reproduce_alone_and_batched(tiny):
     assert batched == go([(0, p, o) for p, o in zip(prompts, opts)])
     for i, (p, o) in enumerate(zip(prompts, opts)):
         assert go([(0, p, o)])[0] == batched[i]
+
+
+def test_seeded_sampled_rows_draft_under_the_adaptive_policy_and_reproduce_alone_and_batched(tiny):
+    """A seeded sampled row drafts whenever it can, whatever its batch decides for the others: alone,
+    beside rows that decode plain (drafting loses by the costs given) and have pending pairs when it
+    joins, and under the default policy that learns its costs, it samples the same tokens."""
+    bundle, tok = tiny
+    prompts = _prompts([5, 18, 9], seed=12)
+    seeded = SamplingOptions(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    others = [(0, prompts[1], SamplingOptions(max_tokens=30)), (0, prompts[2], SamplingOptions(max_tokens=30, temperature=0.7))]
+
+    def go(jobs, policy=None):
+        decode = Recording(bundle.mtp, k=2, policy=policy)
+        finals, _ = run(bundle, tok, jobs, decode)
+        return finals, decode
+
+    alone, solo = go([(0, prompts[0], seeded)])
+    assert solo.stats()["steps_without_mtp"] == 1  # its last token only (a 5-token prompt has a pair)
+    losing = {1: 2.9, 2: 2.9, 4: 2.9}
+    batched, decode = go([*others, (6, prompts[0], seeded)], DraftPolicy(2, costs=DraftCosts(known=losing)))
+    assert batched[2].token_ids == alone[0].token_ids
+    drafting = [res.drafted for _, res in decode.log]
+    assert any(d == [0, 0] for d in drafting[:6])  # before it joined: plain
+    assert all(max(d) == 2 for d in drafting[7:12])  # with it: every row drafts
+    learning, _ = go([*others, (3, prompts[0], seeded)])
+    assert learning[2].token_ids == alone[0].token_ids
 
 
 class Pattern(MTPDecode):

@@ -1,94 +1,124 @@
-"""The draft policy: how many drafts a step verifies (``plan``) and what it learns from the step
+"""The draft policy: whether a step verifies k drafts (``plan``) and what it learns from the step
 (``observe``), apart from the math of drafting and verifying. Tested without a model.
 
-``adaptive``: per step the draft count (0..k) is chosen by measured throughput per batch-size
-bucket (``DraftSchedule``); a step drafts only while some row's recent acceptance (an EMA) is at
-least ``min_row_acceptance`` (rows probe again every ``probe_every`` steps), and then every row
-that can draft does (a row left out is fed padding that costs the verify what its draft would).
-Only steady steps are timed: the step before had the same shape (batch, draft count, KV span) and
-the head did not resume after plain steps. A seeded sampled row does not draft under adaptive
-drafting (its drafting would depend on the batch and the clock, and so would its output).
-``adaptive=False`` drafts k every step; ``max_batch_size`` turns drafting off above that batch.
+``adaptive``: a cost model. Per batch-size bucket a drafting step costs r plain steps (``DraftCosts``:
+learned once, from blocks of the engine's own steady steps alternating between drafting and not),
+and row i yields 1 + a_i tokens when it drafts, a_i its recent accepted drafts per drafting step.
+A step drafts when the rows' tokens pay for it: sum_i (1 + a_i) > r * B, the issue's
+(1 + a) t1 > t2 + tm with the engine's step as it runs (the scheduler's and server's per-step
+work included). Then every row that can draft does: a row left out would be fed padding that
+costs the verify what its draft would. While acceptance keeps a bucket plain but drafting could
+pay at a higher one (r < 1 + k), one step in ``probe_every`` drafts, so the rows' acceptance does
+not go stale. A bucket where r >= 1 + k never drafts after learning.
+
+A seeded sampled row drafts k whenever it can (it has a verified pair and is not at its last
+token), whatever the batch or the clock: both are the row's own, so its drafts, its random keys
+and so its output are the same alone or in any batch. A step with such a row drafts for every row.
+``adaptive=False`` drafts k every step; ``max_batch_size`` turns drafting off above that batch (for
+seeded rows too: their output then depends on whether the batch crossed it).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .draft_schedule import DraftSchedule
+from .draft_costs import DraftCosts, bucket_of
 from .mtp_rows import MTPRowState
 from .sampling import RowSampler
+
+ROW_RATE = 1 / 16  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
+PRIOR_RATE = 1 / 64  # a new row's starting estimate: the recent acceptance of every row
+HOLD = 0.03  # drafting stops when it loses by this much (see _pays)
 
 
 class DraftPolicy:
     def __init__(
-        self,
-        k: int,
-        *,
-        adaptive: bool = True,
-        max_batch_size: int | None = None,
-        min_row_acceptance: float = 0.15,
-        probe_every: int = 16,
-        explore_every: int = 16,
-        max_explore_every: int = 256,
-        explore_steps: int = 5,
-        margin: float = 1.03,
-        reset_gain: float = 1.15,
+        self, k: int, *, adaptive: bool = True, max_batch_size: int | None = None, probe_every: int = 32,
+        costs: DraftCosts | None = None,
     ) -> None:
         self.k = k
         self.adaptive = adaptive
         self.max_batch_size = max_batch_size
-        self.min_row_acceptance = min_row_acceptance
         self.probe_every = probe_every
-        self.schedule = DraftSchedule(
-            k, explore_every=explore_every, max_explore_every=max_explore_every,
-            explore_steps=explore_steps, margin=margin, reset_gain=reset_gain,
-        )
+        self.costs = costs or DraftCosts()
+        self.prior: float | None = None  # accepted drafts per drafting row-step, over all rows
+        self._plain_run: dict[int, int] = {}  # per bucket: plain steps since it last drafted
+        self._choice: dict[int, int] = {}
         self._last_shape: tuple[int, ...] = ()
 
     def draft_count(self, batch: int) -> int:
         """Drafts for a step of this batch size, before looking at the rows."""
         if self.max_batch_size is not None and batch > self.max_batch_size:
             return 0
-        return self.schedule.choose(batch) if self.adaptive else self.k
+        return self.k
 
-    def can_draft(self, row: MTPRowState, sampler: RowSampler) -> bool:
-        if self.adaptive and sampler.options.seed is not None and not sampler.greedy:
-            return False
+    @staticmethod
+    def can_draft(row: MTPRowState, sampler: RowSampler) -> bool:
         if not row.pending_t:  # a one-token prompt's first step: the head has no pair yet
             return False
         return len(row.history) - row.prompt_len + 1 < sampler.options.max_tokens  # not its last token
 
-    def worth_drafting(self, row: MTPRowState) -> bool:
-        """Whether this row alone makes a drafting step worth its head and its wider verify."""
-        return not self.adaptive or row.ema >= self.min_row_acceptance or row.idle >= self.probe_every
+    def acceptance(self, row: MTPRowState) -> float:
+        if row.acceptance is not None:
+            return row.acceptance
+        return self.k if self.prior is None else self.prior
 
     def plan(self, k: int, rows: Sequence[MTPRowState], samplers: Sequence[RowSampler]) -> tuple[int, list[bool]]:
         """(drafts this step, which rows draft) given the step's draft count ``k``."""
         drafting = [k > 0 and self.can_draft(r, s) for r, s in zip(rows, samplers)]
-        if not any(d and self.worth_drafting(r) for d, r in zip(drafting, rows)):
-            return 0, [False] * len(rows)
-        return k, drafting
+        if not any(drafting):
+            return 0, drafting
+        seeded = any(d and s.options.seed is not None and not s.greedy for d, s in zip(drafting, samplers))
+        if not self.adaptive or seeded or self._pays(k, rows, drafting):
+            return k, drafting
+        return 0, [False] * len(rows)
+
+    def _pays(self, k: int, rows: Sequence[MTPRowState], drafting: list[bool]) -> bool:
+        B = len(rows)
+        b = bucket_of(B)
+        arm = self.costs.learning_arm(B)
+        if arm is not None:
+            go = arm
+        else:
+            r = self.costs.ratio(B)
+            tokens = sum(1 + self.acceptance(row) for row, d in zip(rows, drafting) if d) + drafting.count(False)
+            # Drafting stops only when it clearly loses: a few unlucky rejections must not turn it
+            # off, since a plain step measures no acceptance and only a probe could turn it back on.
+            go = tokens > r * B * (1 - HOLD if self._choice.get(b) else 1)
+            if not go and r < 1 + k:
+                go = self._plain_run.get(b, 0) + 1 >= self.probe_every  # a probe: acceptance must not go stale
+        self._plain_run[b] = 0 if go else self._plain_run.get(b, 0) + 1
+        self._choice[b] = k if go else 0
+        return go
 
     def observe(
         self, rows: Sequence[MTPRowState], k: int, drafting: list[bool], accepted: list[int], *,
-        tokens: int, seconds: float | None, shape: tuple[int, ...], timed: bool = True,
+        seconds: float | None, shape: tuple[int, ...], timed: bool = True, tokens: int = 0,
     ) -> None:
-        """A step ran: rows' acceptance, and its cost per row-step when it was a steady one."""
+        """A step ran: the rows' acceptance, and its cost when it was a steady one."""
         for r, d, a in zip(rows, drafting, accepted):
-            r.observe(d, a, k)
+            if d:
+                r.acceptance = self.acceptance(r) * (1 - ROW_RATE) + a * ROW_RATE
+                self.prior = a if self.prior is None else self.prior + PRIOR_RATE * (a - self.prior)
+        if not k and self.prior is not None:
+            # Plain steps measure nothing: a row's estimate, left where an unlucky run of rejections
+            # put it, would keep its batch plain. It relaxes to every row's (smoother) estimate.
+            for r in rows:
+                if r.acceptance is not None:
+                    r.acceptance += ROW_RATE * (self.prior - r.acceptance)
         B = len(rows)
         if not self.adaptive or (self.max_batch_size is not None and B > self.max_batch_size):
             return
         # The first step of a shape compiles, traces or plans (CUDA), and the first after a
-        # switch pays for the switch: what a switch costs, not what a draft count costs per step.
+        # switch pays for the switch: what a switch costs, not what a step of either kind costs.
         steady, self._last_shape = shape == self._last_shape, shape
         if steady and timed and seconds is not None:
-            self.schedule.record(B, k, tokens / B, seconds / B)
+            self.costs.record(B, k > 0, seconds)
 
     def stats(self) -> dict[str, Any]:
         return {
             "adaptive": self.adaptive,
-            "throughput_by_batch": self.schedule.throughput_by_batch(),
-            "draft_count_by_batch": self.schedule.choice_by_batch(),
+            "draft_cost_by_batch": self.costs.ratio_by_batch(),
+            "draft_count_by_batch": dict(sorted(self._choice.items())),
+            "acceptance_estimate": None if self.prior is None else round(self.prior, 3),
         }

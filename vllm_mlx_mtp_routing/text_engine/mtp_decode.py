@@ -53,7 +53,6 @@ from .acceptance import accept_rows, speculative_row  # noqa: F401 (re-exported)
 from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult
 from .draft_policy import DraftPolicy
-from .draft_schedule import DraftSchedule
 from .head_cache import PositionedKVCache
 from .logits_processing import steer_drafts
 from .logprobs import row_logprobs
@@ -74,8 +73,8 @@ class MTPDecode:
     """Batched MTP speculative decoding for the text engine (see the module docstring).
 
     ``TextEngine(model, tokenizer, decode=MTPDecode(bundle.mtp, k=1))``; the head must be bound
-    to the same TextModel (``build_text_model`` does that). ``policy_options`` go to
-    ``DraftPolicy`` (min_row_acceptance, probe_every, explore_every, ...).
+    to the same TextModel (``build_text_model`` does that). ``policy`` replaces the
+    ``DraftPolicy(k, adaptive=..., max_batch_size=...)`` built from the other arguments.
     """
 
     def __init__(
@@ -90,7 +89,7 @@ class MTPDecode:
         resume_window: int = 8,
         prompt_pairs: int | None = DEFAULT_PROMPT_PAIRS,
         draft_hook: DraftHook | None = None,
-        **policy_options: Any,
+        policy: Any = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -98,7 +97,7 @@ class MTPDecode:
         self.k = k
         self.hidden_state_mode = hidden_state_mode or head.hidden_state_mode
         self.per_row_acceptance = per_row_acceptance  # False: batch-wide all-or-nothing, for comparison
-        self.policy = DraftPolicy(k, adaptive=adaptive, max_batch_size=max_batch_size, **policy_options)
+        self.policy = policy or DraftPolicy(k, adaptive=adaptive, max_batch_size=max_batch_size)
         # Resuming after plain steps the head takes the last ``window`` pairs per row (older ones
         # are skipped), so a plain step never runs the head and a resume costs at most
         # window / (k + 1) head forwards.
@@ -129,10 +128,6 @@ class MTPDecode:
     @property
     def adaptive(self) -> bool:
         return self.policy.adaptive
-
-    @property
-    def schedule(self) -> DraftSchedule:
-        return self.policy.schedule
 
     # -- DecodeStrategy: bind / prefill / join -------------------------------------------------
 

@@ -19,6 +19,7 @@ class MTPRowState:
     skipped: int = 0  # older pairs dropped unsynced: the head skips their positions
     ema: float = 1.0  # recent acceptance rate (optimistic start)
     idle: int = 0  # steps since the row last drafted
+    acceptance: float | None = None  # recent accepted drafts per drafting step (the draft policy's)
 
     def add_pending(self, hidden: mx.array, i: int, tokens: list[int]) -> None:
         self.pending_h.append((hidden, i, 0, len(tokens)))
