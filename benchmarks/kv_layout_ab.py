@@ -10,7 +10,19 @@ beside seven 20-token rows, attention KV held / the rows' own needs (tokens held
 Steps: a plain decode step ([B, 1]) and an MTP verify step ([B, 2] with the gated-delta capture and
 a per-row rollback, the verify of MTPDecode without the head).
 
+A third layout, ``pool_gather``, is this checkout's with the lone row's slice read off
+(``RaggedKVCache.slice_single_run``): at batch 1 ``pool`` reads the row's blocks as a slice of the
+pool when they are one run, ``pool_gather`` always gathers (what the pool did before).
+
+Model: ``--shape trained`` (default) loads models/tiny-qwen35-trained; ``--shape 2b`` / ``small``
+builds a Qwen3.5-2B-shaped (or tiny) text model in memory with random bf16 weights
+(mtp_shapes_bench.build, in eval mode) and uses random prompt ids: the step cost of a realistic
+shape, where weights rather than launches and KV copies should dominate.
+
   python benchmarks/kv_layout_ab.py --base ../checkout-before --out kv_ab.json
+  python benchmarks/kv_layout_ab.py --base ../checkout-before --shape 2b --out kv_ab_2b.json   # a GPU
+  python benchmarks/kv_layout_ab.py --base ../checkout-before --shape small --steps 24         # CPU check
+Only ``vllm_mlx_mtp_routing/text_engine/batch_cache.py`` of the --base checkout is read.
 """
 
 from __future__ import annotations
@@ -31,8 +43,10 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 import mtp_decode_bench as mb  # noqa: E402
+import provenance  # noqa: E402
 from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import batch_cache as pool_mod  # noqa: E402
 
@@ -71,6 +85,24 @@ def kv_bytes(mod, bc) -> tuple[int, int]:
     return held, need
 
 
+def load_model(shape: str, dtype: str):
+    """(model, prompt ids source, provenance) for --shape."""
+    if shape == "trained":
+        _, bundle, tok, _ = mb.load_bundle(None)
+        return bundle.model, lambda n, length: mb.make_prompts(tok, n, length), {"model": "models/tiny-qwen35-trained"}
+    import mtp_shapes_bench as sb
+
+    tok, tok_size, special = sb.load_tokenizer()
+    cfg = sb.SHAPES[shape]
+    zero_ids = sorted(set(range(tok_size, cfg["vocab_size"])) | set(special))
+    t0 = time.perf_counter()
+    model, _, n_params, _ = sb.build(cfg, getattr(mx, dtype), zero_ids)
+    info = {"model": f"{shape}-shaped, random {dtype} weights, built in memory", "params": n_params,
+            "build_s": round(time.perf_counter() - t0, 1), "text_config": {**sb.COMMON, **cfg}}
+    rng = np.random.default_rng(0)
+    return model, lambda n, length: rng.integers(0, tok_size - 1, size=(n, length)).tolist(), info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", type=Path, required=True)
@@ -80,26 +112,41 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--alt", type=Path, default=None, help="another batch_cache.py to time beside them")
+    ap.add_argument("--shape", choices=("trained", "2b", "small"), default="trained")
+    ap.add_argument("--dtype", default="bfloat16", help="weights of a built --shape")
+    ap.add_argument("--no-gather-layout", action="store_true", help="leave out pool_gather")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     layouts = {"pool": pool_mod, "dense": load_layout(a.base / "vllm_mlx_mtp_routing/text_engine/batch_cache.py", "dense_bc")}
+    if not a.no_gather_layout:
+        layouts["pool_gather"] = pool_mod
     if a.alt:
         layouts["alt"] = load_layout(a.alt, "alt_bc")
-    _, bundle, tok, _ = mb.load_bundle(None)
-    model = bundle.model
-    res = {"device": mb.gpu_name() or f"{platform.machine()} CPU ({os.cpu_count()} cores)", "steps": {}, "memory": {}}
+    model, make_prompts, info = load_model(a.shape, a.dtype)
+    res = {"device": mb.gpu_name() or f"{platform.machine()} CPU ({os.cpu_count()} cores)", **info,
+           **provenance.record(), "args": {k: str(v) for k, v in vars(a).items()}, "steps": {}, "memory": {}}
 
-    prompts = mb.make_prompts(tok, 8, max(a.context, 20))
-    longp = (prompts[0] * (a.long // len(prompts[0]) + 1))[: a.long]
-    rows = [prefilled(model, longp)] + [prefilled(model, p[:21]) for p in prompts[1:8]]
-    for name, mod in layouts.items():
-        held, need = kv_bytes(mod, batch(mod, model, rows))
-        res["memory"][name] = {"held_bytes": held, "own_need_bytes": need, "ratio": held / need}
-        print(f"memory {name}: {held / 2**20:.2f} MiB held for {need / 2**20:.2f} MiB own need ({held / need:.2f}x)")
+    def batch_of(name: str, rows: list) -> object:
+        bc = batch(layouts[name], model, rows)
+        if name == "pool_gather":
+            for c in bc.layers:
+                if isinstance(c, pool_mod.RaggedKVCache):
+                    c.slice_single_run = False
+        return bc
+
+    prompts = make_prompts(8, max(a.context, 20))
+    if a.long:
+        longp = (prompts[0] * (a.long // len(prompts[0]) + 1))[: a.long]
+        rows = [prefilled(model, longp)] + [prefilled(model, p[:21]) for p in prompts[1:8]]
+        for name, mod in layouts.items():
+            held, need = kv_bytes(mod, batch_of(name, rows))
+            res["memory"][name] = {"held_bytes": held, "own_need_bytes": need, "ratio": held / need}
+            print(f"memory {name}: {held / 2**20:.2f} MiB held for {need / 2**20:.2f} MiB own need ({held / need:.2f}x)")
+        del rows
 
     for B in [int(b) for b in a.batches.split(",")]:
         rows = [prefilled(model, p[: a.context]) for p in prompts[:B]]
-        caches = {n: batch(mod, model, rows) for n, mod in layouts.items()}
+        caches = {n: batch_of(n, rows) for n in layouts}
         x = mx.array([[p[a.context - 1]] for p in prompts[:B]], dtype=mx.uint32)
         keep = [1 + (i % 2) for i in range(B)]  # a verify: half the rows accept their draft
 
@@ -135,8 +182,9 @@ def main() -> None:
                                      **{f"{n}_over_dense": r for n, r in paired.items()}}
             print(f"B={B} {kind}: step " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in med.items()) + "; paired "
                   + ", ".join(f"{n}/dense {r:.3f}" for n, r in paired.items()), flush=True)
-    if a.out:
-        a.out.write_text(json.dumps(res, indent=1))
+        if a.out:  # after every batch size: a cut run keeps what it measured
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

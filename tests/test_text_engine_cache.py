@@ -164,3 +164,37 @@ def test_skip_rows_moves_positions_not_slots():
     assert kv.offset.tolist() == [9]
     with pytest.raises(ValueError):
         kv.extract(0)
+
+
+@pytest.mark.parametrize("whole_buffer", [False, True])
+def test_a_lone_rows_single_run_is_read_as_a_slice_with_the_gathers_result(model, whole_buffer, monkeypatch):
+    """A lone row whose blocks are one run of the pool (alone from the start, or left alone and
+    compacted) is read as a slice of the pool: the same logits as the gather, bit for bit, while
+    it grows past block and 256-token boundaries and rolls back."""
+    gathers = []
+    gather = RaggedKVCache._gather
+    monkeypatch.setattr(RaggedKVCache, "_gather", staticmethod(lambda pool, idx: gathers.append(1) or gather(pool, idx)))
+
+    def run(slice_run: bool) -> tuple[list[mx.array], int]:
+        bc = BatchCache(model, whole_buffer=whole_buffer)
+        for p in PROMPTS:
+            bc.add_row(_prefilled(model, p))
+        kvs = [c for c in bc.layers if isinstance(c, RaggedKVCache)]
+        for c in kvs:
+            c.slice_single_run = slice_run
+        out = [_step(model, bc, [[17], [18], [19]])]
+        bc.filter([2])  # the 300-token row alone: freed blocks are compacted, its own become one run
+        gathers.clear()
+        for t in range(30):
+            out.append(_step(model, bc, [[t + 7, t + 8]] if t % 3 == 0 else [[t + 7]]))
+            if t % 3 == 0:
+                for c in kvs:
+                    c.trim_rows([1])  # a rejected draft
+        return out, len(gathers)
+
+    gathered, n = run(False)
+    assert n == 2 * 30 * len([c for c in BatchCache(model).layers if isinstance(c, RaggedKVCache)])  # keys, values
+    out, n = run(True)
+    assert n == 0
+    for a, b in zip(out, gathered):
+        assert mx.array_equal(a, b)

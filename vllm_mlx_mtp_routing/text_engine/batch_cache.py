@@ -55,6 +55,9 @@ class RaggedKVCache(BaseCache):
 
     step = 256  # the key-length granularity attention sees in whole_buffer mode
     block = 64  # the allocation unit of a row's KV
+    # One row whose blocks are one run of the pool (a lone row after a compaction, or one that
+    # grew alone) is read as a slice, without the gather's copy: see _read.
+    slice_single_run = True
 
     def __init__(self, whole_buffer: bool | None = None) -> None:
         self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
@@ -63,6 +66,7 @@ class RaggedKVCache(BaseCache):
         self._free: list[int] = []  # free block ids, popped from the end
         self._tables: list[list[int]] = []  # per row: its block ids, in position order
         self._index = mx.zeros((0, 1), dtype=mx.int32)  # see _sync_table
+        self._run: int | None = None  # the first slot of a lone row's blocks when they are one run
         self._lengths: list[int] = []
         # Positions skipped per row (``skip_rows``): a row's RoPE offset is lengths[i] + shift[i].
         self._shift: list[int] = []
@@ -148,6 +152,8 @@ class RaggedKVCache(BaseCache):
         table = mx.array([t + [0] * (width - len(t)) for t in self._tables] or [[0]], dtype=mx.int32)
         # _index[i, p]: the pool slot of row i's position p (past its blocks: the zero block)
         self._index = (table[:, :, None] * self.block + mx.arange(self.block, dtype=mx.int32)).reshape(table.shape[0], -1)
+        t = self._tables[0] if len(self._tables) == 1 else None
+        self._run = t[0] * self.block if t and t == list(range(t[0], t[0] + len(t))) else None
 
     def _grow(self, need: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype) -> None:
         """Make at least ``need`` blocks free (zeros, never garbage: masked slots still enter the
@@ -157,6 +163,10 @@ class RaggedKVCache(BaseCache):
         have = 0 if self._pool_k is None else self._pool_k.shape[1] // self.block
         base = 0 if have else 1  # a new pool starts with the zero block that pads the tables
         add = max(need - len(self._free), have // 8) + base
+        if self.whole_buffer:
+            # Past the zero block, whole ``step`` spans: a lone row's blocks from block 1 (after a
+            # compaction) are then read as one slice even where attention reads its rounded span.
+            add += -(have + add - 1) % (self.step // self.block)
         new_k = mx.zeros((H, add * self.block, Dk), dtype)
         new_v = mx.zeros((H, add * self.block, Dv), dtype)
         if self._pool_k is None:
@@ -172,6 +182,10 @@ class RaggedKVCache(BaseCache):
         need = sum(w for w in wants if w > 0)
         if not need:
             return []
+        if self._run is not None and self._tables[0][-1] + 1 != (self._free[-1] if self._free else -1):
+            # A lone row read as a slice would lose its single run: pack it at the pool's start
+            # (one copy of its KV), so that it grows at the end, as one run.
+            self._compact(force=True)
         self._grow(need, H, Dk, Dv, dtype)
         taken = []
         for t, w in zip(self._tables, wants):
@@ -206,14 +220,14 @@ class RaggedKVCache(BaseCache):
         self._pool_k[:, idx] = mx.zeros((H, idx.size, Dk), self._pool_k.dtype)
         self._pool_v[:, idx] = mx.zeros((H, idx.size, self._pool_v.shape[2]), self._pool_v.dtype)
 
-    def _compact(self) -> None:
+    def _compact(self, force: bool = False) -> None:
         """Give free blocks back when they are more than an eighth of the pool (what admission
-        counts as the pool's slack)."""
+        counts as the pool's slack), or when ``force``d."""
         if self._pool_k is None:
             return
         used = sum(len(t) for t in self._tables)
         total = self._pool_k.shape[1] // self.block - 1
-        if total - used <= max(_SLACK_BLOCKS, used // 8):
+        if not force and total - used <= max(_SLACK_BLOCKS, used // 8):
             return
         order = [b for t in self._tables for b in t]
         idx = (mx.array([0] + order, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1)
@@ -223,6 +237,12 @@ class RaggedKVCache(BaseCache):
             t[:] = range(nxt, nxt + len(t))
             nxt += len(t)
         self._free = []
+        pad = -used % (self.step // self.block) if self.whole_buffer else 0  # as _grow rounds
+        if pad:
+            H, _, Dk = self._pool_k.shape
+            self._pool_k = mx.concatenate([self._pool_k, mx.zeros((H, pad * self.block, Dk), self._pool_k.dtype)], axis=1)
+            self._pool_v = mx.concatenate([self._pool_v, mx.zeros((H, pad * self.block, self._pool_v.shape[2]), self._pool_v.dtype)], axis=1)
+            self._release(list(range(nxt, nxt + pad)))
         self._sync_table()
 
     # -- the attention layer's interface ------------------------------------------------------
@@ -238,7 +258,16 @@ class RaggedKVCache(BaseCache):
         self._pool_k[:, idx] = keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk)
         self._pool_v[:, idx] = values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3])
         self._set_lengths(ends)
-        idx = self._positions(self._visible(max(ends, default=0)))
+        return self._read(self._visible(max(ends, default=0)))
+
+    def _read(self, n: int) -> tuple[mx.array, mx.array]:
+        """The rows' keys and values at positions 0..n-1, as attention reads them."""
+        run = self._run
+        if self.slice_single_run and run is not None and run + n <= self._pool_k.shape[1]:
+            # Positions past the row's blocks read whatever the pool holds there: finite (zeros or
+            # keys of rows gone), and masked.
+            return self._pool_k[None, :, run : run + n], self._pool_v[None, :, run : run + n]
+        idx = self._positions(n)
         return self._gather(self._pool_k, idx), self._gather(self._pool_v, idx)
 
     # -- rows -----------------------------------------------------------------------------------
@@ -273,7 +302,9 @@ class RaggedKVCache(BaseCache):
             self._sync_table()
             return
         self._sync_table()
-        self._compact()
+        # A lone row is read as a slice when its blocks are one run from block 1 (see _read).
+        lone = len(self._tables) == 1 and self._tables[0] and self._tables[0][0] != 1
+        self._compact(force=bool(lone and self.slice_single_run))
 
     def add_row(self, cache: KVCache, shift: int = 0) -> None:
         """Append a batch-1 single-sequence cache as a new row; ``shift``: positions the row's next

@@ -1,13 +1,14 @@
 """What a drafting step costs against a plain one, per batch-size bucket, learned from the engine's
 own steps.
 
-A bucket (batch 1, 2, 3-4, 5-8, ...) starts by alternating blocks of ``block`` timed steps: drafting
-(k drafts), then plain, ``pairs`` times each. Each block's median step time is divided by its
-neighbouring block of the other kind, and the bucket's cost ratio r = t_draft / t_plain is the
-median of those ratios. Neighbouring blocks are seconds apart, so a slow phase of the machine (a
-busy host thread, another process) falls on both sides of most ratios. After that the ratio is
-fixed for the server's life: it is a property of the model, the device and the batch size, where
-acceptance (which the policy tracks per row) is a property of the text.
+A bucket (batch 1, 2, 3-4, 5-8, ...) measures in sessions: blocks of ``block`` timed steps that
+alternate between drafting (k drafts) and plain, ``pairs`` blocks of each. Each block's median step
+time is divided by its neighbouring block's of the other kind (seconds apart, so a slow phase of
+the machine, a busy host thread or another process, falls on both sides of most ratios), and the
+bucket's cost ratio r = t_draft / t_plain is the median of its last ``keep`` such ratios. The first
+session runs when the bucket is first met; later ones only when the policy asks (``refine``: its
+choice is close enough to a tie that r's error could flip it), so each adds ratios where they
+matter and r converges there, while a bucket with a clear answer is never measured again.
 
 The caller decides which steps are timed: a step that compiles or plans a new shape, follows a
 switch of draft count, a join or a leave, or resumes the MTP head after plain steps is a one-off.
@@ -16,6 +17,7 @@ switch of draft count, a join or a leave, or resumes the MTP head after plain st
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -25,45 +27,65 @@ def bucket_of(batch: int) -> int:
 
 @dataclass
 class _Bucket:
+    ratios: deque
+    session: int = 0  # blocks the running session still needs; 0: none running
     drafting: bool = True  # the arm of the block being timed (drafting first: the head's caches warm)
     times: list[float] = field(default_factory=list)  # the block's timed steps so far
-    blocks: list[tuple[bool, float]] = field(default_factory=list)  # (drafting, median seconds)
-    ratio: float | None = None
+    last: tuple[bool, float] | None = None  # the session's previous block: (drafting, median seconds)
 
 
 class DraftCosts:
-    def __init__(self, *, block: int = 3, pairs: int = 3, known: dict[int, float] | None = None) -> None:
-        """``known``: ratios measured elsewhere, per bucket (``bucket_of(batch)``); not learned again."""
+    def __init__(self, *, block: int = 3, pairs: int = 3, keep: int = 32, known: dict[int, float] | None = None) -> None:
+        """``known``: ratios measured elsewhere, per bucket (``bucket_of(batch)``)."""
         self.block = block
         self.pairs = pairs
-        self._buckets = {b: _Bucket(ratio=r) for b, r in (known or {}).items()}
+        self.keep = keep
+        self._buckets: dict[int, _Bucket] = {}
+        for b, r in (known or {}).items():
+            self._bucket(b).ratios.append(r)
+            self._bucket(b).session = 0
 
     def _bucket(self, batch: int) -> _Bucket:
-        return self._buckets.setdefault(bucket_of(batch), _Bucket())
+        b = bucket_of(batch)
+        if b not in self._buckets:
+            self._buckets[b] = _Bucket(deque(maxlen=self.keep), session=2 * self.pairs)
+        return self._buckets[b]
 
     def ratio(self, batch: int) -> float | None:
-        """t_draft / t_plain for this batch size, None while it is being learned."""
-        return self._bucket(batch).ratio
+        """t_draft / t_plain for this batch size; None until a first session has measured it."""
+        b = self._bucket(batch)
+        if b.session and not b.ratios:
+            return None
+        return statistics.median(b.ratios) if b.ratios else None
 
     def learning_arm(self, batch: int) -> bool | None:
-        """While the bucket learns: whether its next step should draft; None once learned."""
+        """While a session runs: whether the bucket's next step should draft; None otherwise."""
         b = self._bucket(batch)
-        return None if b.ratio is not None else b.drafting
+        return b.drafting if b.session else None
+
+    def refine(self, batch: int) -> None:
+        """Measure this bucket again (the policy's choice there is close to a tie)."""
+        b = self._bucket(batch)
+        if not b.session:
+            b.session, b.drafting, b.times, b.last = 2 * self.pairs, True, [], None
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         """A timed steady step of ``batch`` rows, drafting or not."""
         b = self._bucket(batch)
-        if b.ratio is not None or drafted != b.drafting:
+        if not b.session or drafted != b.drafting:
             return
         b.times.append(seconds)
         if len(b.times) < self.block:
             return
-        b.blocks.append((b.drafting, statistics.median(b.times)))
-        b.times, b.drafting = [], not b.drafting
-        if len(b.blocks) == 2 * self.pairs:
-            # Each block against its neighbour of the other kind: draft / plain.
-            ratios = [(x / y if dx else y / x) for (dx, x), (_, y) in zip(b.blocks, b.blocks[1:])]
-            b.ratio = statistics.median(ratios)
+        block = (b.drafting, statistics.median(b.times))
+        if b.last is not None:  # against its neighbour of the other kind: draft / plain
+            (dx, x), (_, y) = b.last, block
+            b.ratios.append(x / y if dx else y / x)
+        b.last, b.times, b.drafting, b.session = block, [], not b.drafting, b.session - 1
 
     def ratio_by_batch(self) -> dict[int, float | None]:
-        return {k: None if b.ratio is None else round(b.ratio, 3) for k, b in sorted(self._buckets.items())}
+        out = {}
+        for k in sorted(self._buckets):
+            r = self.ratio(k)
+            out[k] = None if r is None else round(r, 3)
+        return out

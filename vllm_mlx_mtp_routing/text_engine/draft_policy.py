@@ -29,17 +29,20 @@ from .sampling import RowSampler
 ROW_RATE = 1 / 16  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
 PRIOR_RATE = 1 / 64  # a new row's starting estimate: the recent acceptance of every row
 HOLD = 0.03  # drafting stops when it loses by this much (see _pays)
+NEAR_TIE = 0.1  # a choice within this of a tie refines the bucket's cost ratio now and then
 
 
 class DraftPolicy:
     def __init__(
         self, k: int, *, adaptive: bool = True, max_batch_size: int | None = None, probe_every: int = 32,
-        costs: DraftCosts | None = None,
+        refine_every: int = 256, costs: DraftCosts | None = None,
     ) -> None:
         self.k = k
         self.adaptive = adaptive
         self.max_batch_size = max_batch_size
         self.probe_every = probe_every
+        self.refine_every = refine_every
+        self._since_refine: dict[int, int] = {}  # per bucket: steps since its cost ratio was refined
         self.costs = costs or DraftCosts()
         self.prior: float | None = None  # accepted drafts per drafting row-step, over all rows
         self._plain_run: dict[int, int] = {}  # per bucket: plain steps since it last drafted
@@ -87,6 +90,11 @@ class DraftPolicy:
             go = tokens > r * B * (1 - HOLD if self._choice.get(b) else 1)
             if not go and r < 1 + k:
                 go = self._plain_run.get(b, 0) + 1 >= self.probe_every  # a probe: acceptance must not go stale
+            self._since_refine[b] = self._since_refine.get(b, 0) + 1
+            if abs(tokens / (r * B) - 1) < NEAR_TIE and self._since_refine[b] >= self.refine_every:
+                # r's error could flip this choice: measure it again, adding to what it has.
+                self.costs.refine(B)
+                self._since_refine[b] = 0
         self._plain_run[b] = 0 if go else self._plain_run.get(b, 0) + 1
         self._choice[b] = k if go else 0
         return go

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Draft policies side by side in lockstep: decode throughput of each against plain decoding.
+
+For each batch size B, every configuration decodes the same B prompts (greedy) in its own
+scheduler, and the schedulers step in turn, one step each (the order rotating every cycle), so a
+slow phase of a shared machine (seconds long: another process's test run) falls on every
+configuration alike instead of on whichever ran then; mtp_decode_bench runs them one after another
+and on the 2-core machine shared with other sessions its per-round ratios swung 0.5-2.3x. A
+configuration's tok/s counts its decode steps only. Each policy times its steps from the end of its
+own previous step; the time the other configurations took in between is taken out (as if it had
+run alone), so what it learns is its own cost.
+
+  plain, plain_control  SingleTokenDecode (the second is the noise floor: control / plain)
+  always                MTPDecode, every row drafting k every step (--mtp-schedule always)
+  cost                  MTPDecode with the cost-model DraftPolicy (kept across rounds, as a server
+                        keeps it); cost_cold: a fresh one every round (its learning in the timing)
+  explore               the exploring schedule (ExploringDraftPolicy: DraftSchedule's throughput
+                        arms); explore_cold likewise
+
+Speedups are per round against the mean of that round's two plain runs; the median over rounds is
+reported. The first round is a warm-up (shapes compiled, kept policies trained).
+
+  python benchmarks/policy_ab.py --out benchmarks/results/policy_ab_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import mlx.core as mx  # noqa: E402
+
+import mtp_decode_bench as mb  # noqa: E402
+import provenance  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+
+try:  # the exploring schedule, while it exists beside the cost model
+    from vllm_mlx_mtp_routing.text_engine.draft_policy_explore import ExploringDraftPolicy
+except ImportError:  # pragma: no cover
+    ExploringDraftPolicy = None
+
+
+class Timed:
+    """Wraps a strategy: decode-step seconds, tokens, and when its last step ended."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self.tokens, self.end = inner, 0.0, 0, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, *a):
+        t = time.perf_counter()
+        res = self.inner.step(*a)
+        self.end = time.perf_counter()
+        self.seconds += self.end - t
+        self.tokens += sum(len(x) for x in res.tokens)
+        return res
+
+
+def lockstep(bundle, tok, prompts, max_tokens, decodes: dict, order_seed: int) -> dict:
+    """Run every configuration's scheduler one step at a time, in turn. -> name: (Timed, tokens)."""
+    runs = {}
+    for name, decode in decodes.items():
+        timed = Timed(decode)
+        sched = BatchScheduler(bundle.model, tok, max_num_seqs=len(prompts), prefill_step_size=4096,
+                               eos_token_ids=[], decode=timed)
+        for i, p in enumerate(prompts):
+            sched.add(TextRequest(str(i), p, SamplingOptions(max_tokens=max_tokens)))
+        runs[name] = {"sched": sched, "timed": timed, "finals": {}, "tail": 0.0}
+    names = list(runs)
+    cycle = order_seed
+    while any(r["sched"].has_work() for r in runs.values()):
+        cycle += 1
+        for name in names[cycle % len(names):] + names[: cycle % len(names)]:
+            r = runs[name]
+            if not r["sched"].has_work():
+                continue
+            inner = r["timed"].inner
+            if getattr(inner, "_last_end", None) is not None:
+                # Its cycle as if alone: its own work after its last step, not the others' steps.
+                inner._last_end = time.perf_counter() - r["tail"]
+            for o in r["sched"].step():
+                if o.finished:
+                    r["finals"][int(o.request_id)] = o.token_ids
+            if r["timed"].end is not None:
+                r["tail"] = time.perf_counter() - r["timed"].end
+    return {n: (r["timed"], [r["finals"][i] for i in range(len(prompts))]) for n, r in runs.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds after the warm-up round")
+    ap.add_argument("--configs", default="always,cost,cost_cold,explore,explore_cold")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    path, bundle, tok, source = mb.load_bundle(None)
+    if "FORCED" in source:
+        raise SystemExit("needs models/tiny-qwen35-trained (real acceptance)")
+    batches = [int(b) for b in a.batches.split(",")]
+    prompts_all = mb.make_prompts(tok, max(batches), a.prompt_tokens)
+    k = a.k
+    factories = {
+        "always": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=False), False),
+        "cost": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=True), True),
+        "cost_cold": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=True), False),
+    }
+    if ExploringDraftPolicy is not None:
+        explore = lambda: MTPDecode(bundle.mtp, k=k, policy=ExploringDraftPolicy(k, adaptive=True))  # noqa: E731
+        factories.update({"explore": (explore, True), "explore_cold": (explore, False)})
+    chosen = [c for c in a.configs.split(",") if c in factories]
+    result = {"benchmark": "policy_ab", "model": str(path.name), "acceptance_source": source, "k": k,
+              "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "rounds": a.rounds,
+              **provenance.record(), "rows": []}
+    for B in batches:
+        prompts = prompts_all[:B]
+        kept: dict = {}
+        per: dict[str, list[float]] = {n: [] for n in ["plain", "plain_control", *chosen]}
+        counts = {n: [0, 0] for n in chosen}
+        exact = {n: True for n in chosen}
+        for rnd in range(a.rounds + 1):
+            decodes = {"plain": SingleTokenDecode(), "plain_control": SingleTokenDecode()}
+            for n in chosen:
+                make, keep = factories[n]
+                decodes[n] = kept.get(n) or make()
+                if keep:
+                    kept[n] = decodes[n]
+            before = {n: (decodes[n].steps_with_mtp, decodes[n].steps_without_mtp) for n in chosen}
+            runs = lockstep(bundle, tok, prompts, a.max_tokens, decodes, order_seed=rnd)
+            ref = runs["plain"][1]
+            if not rnd:
+                continue
+            for n, (timed, tokens) in runs.items():
+                per[n].append(timed.tokens / timed.seconds)
+                if n in chosen:
+                    exact[n] &= tokens == ref
+                    counts[n][0] += decodes[n].steps_with_mtp - before[n][0]
+                    counts[n][1] += decodes[n].steps_without_mtp - before[n][1]
+        plain = [(p + c) / 2 for p, c in zip(per["plain"], per["plain_control"])]
+        row = {"batch": B, "plain_tok_s": round(statistics.median(plain), 1),
+               "plain_control_ratio": round(statistics.median(c / p for p, c in zip(per["plain"], per["plain_control"])), 3),
+               "plain_control_per_round": [round(c / p, 3) for p, c in zip(per["plain"], per["plain_control"])]}
+        for n in chosen:
+            ratios = [t / p for t, p in zip(per[n], plain)]
+            row[n] = {"tok_s": round(statistics.median(per[n]), 1), "speedup": round(statistics.median(ratios), 3),
+                      "speedup_per_round": [round(x, 3) for x in ratios], "steps_with_mtp": counts[n][0],
+                      "steps_without_mtp": counts[n][1], "exact": exact[n]}
+            if n in kept:
+                row[n]["policy"] = kept[n].policy.stats()
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(result, indent=1) + "\n")
+    mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
