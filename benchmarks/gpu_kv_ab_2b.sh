@@ -18,7 +18,7 @@
 #   call 1, carry [.device-a]:  cp .device-a/mlx.part.aa /root/
 #   call 2, carry [.device-b]:  BENCH_COMMIT=<commit> OUT=$OUT bash benchmarks/gpu_kv_ab_2b.sh
 # Files under $OUT (default benchmarks/results/gpu_kv_ab_2b): kv_layout_2b_gpu.json,
-# kv_layout_2b_ctx2048_gpu.json, kv_layout_trained_gpu.json, gpu_kv_ab_2b.log. at most ~7 minutes with the install (the runs are capped at 200 + 100 + 90 s).
+# kv_layout_2b_ctx2048_gpu.json, kv_layout_trained_gpu.json, gpu_kv_ab_2b.log. At most ~7 minutes with the install (the runs are capped at 200 + 100 + 90 s).
 # Environment: KV_AB_STEPS (timed steps per layout and step kind, default 240), KV_AB_SHAPE (default 2b;
 # small: the same run at a tiny shape, a CPU check of the script:
 #   SITE=/tmp/site PY=.venv/bin/python KV_AB_SHAPE=small KV_AB_STEPS=8 BASE=/tmp/base bash benchmarks/gpu_kv_ab_2b.sh
