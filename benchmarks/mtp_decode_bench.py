@@ -71,7 +71,6 @@ from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
 from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.draft_policy_explore import ExploringDraftPolicy  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -342,8 +341,6 @@ def main() -> None:
     for B in batches:
         prompts = prompts_all[:B]
         adaptive = lambda: MTPDecode(bundle.mtp, k=a.k, adaptive=True, draft_hook=hook)  # noqa: E731
-        explore = lambda: MTPDecode(bundle.mtp, k=a.k, draft_hook=hook,  # noqa: E731
-                                    policy=ExploringDraftPolicy(a.k, adaptive=True))
         # name -> (factory, reuse): a reused strategy serves every round, as the server's does
         # (what its adaptive schedule learnt persists); the others start fresh each run.
         configs = {
@@ -353,8 +350,6 @@ def main() -> None:
                                                 draft_hook=hook), False),
             "mtp_adaptive": (adaptive, True),
             "mtp_adaptive_cold": (adaptive, False),
-            "mtp_explore": (explore, True),
-            "mtp_explore_cold": (explore, False),
         }
         if a.configs:
             configs = {n: c for n, c in configs.items() if n in ("plain", *a.configs.split(","))}

@@ -14,8 +14,10 @@ run alone), so what it learns is its own cost.
   always                MTPDecode, every row drafting k every step (--mtp-schedule always)
   cost                  MTPDecode with the cost-model DraftPolicy (kept across rounds, as a server
                         keeps it); cost_cold: a fresh one every round (its learning in the timing)
-  explore               the exploring schedule (ExploringDraftPolicy: DraftSchedule's throughput
-                        arms); explore_cold likewise
+
+The exploring schedule the cost model replaced (``DraftSchedule``: throughput arms per draft count,
+explorations with back-off, ~12 tunables) ran beside them as ``explore`` / ``explore_cold`` in the
+run that decided it (benchmarks/results/policy_ab_cpu.json, which records its commit) and was removed after.
 
 Speedups are per round against the mean of that round's two plain runs; the median over rounds is
 reported. The first round is a warm-up (shapes compiled, kept policies trained).
@@ -45,11 +47,6 @@ import provenance  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
-
-try:  # the exploring schedule, while it exists beside the cost model
-    from vllm_mlx_mtp_routing.text_engine.draft_policy_explore import ExploringDraftPolicy
-except ImportError:  # pragma: no cover
-    ExploringDraftPolicy = None
 
 
 class Timed:
@@ -107,7 +104,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds after the warm-up round")
-    ap.add_argument("--configs", default="always,cost,cost_cold,explore,explore_cold")
+    ap.add_argument("--configs", default="always,cost,cost_cold")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     path, bundle, tok, source = mb.load_bundle(None)
@@ -121,9 +118,6 @@ def main() -> None:
         "cost": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=True), True),
         "cost_cold": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=True), False),
     }
-    if ExploringDraftPolicy is not None:
-        explore = lambda: MTPDecode(bundle.mtp, k=k, policy=ExploringDraftPolicy(k, adaptive=True))  # noqa: E731
-        factories.update({"explore": (explore, True), "explore_cold": (explore, False)})
     chosen = [c for c in a.configs.split(",") if c in factories]
     result = {"benchmark": "policy_ab", "model": str(path.name), "acceptance_source": source, "k": k,
               "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "rounds": a.rounds,

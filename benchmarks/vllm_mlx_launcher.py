@@ -10,7 +10,7 @@ of each `--site DIR` (site.addsitedir), then the same entry point as the `vllm-m
   python benchmarks/serve_bench.py --server-cmd "python benchmarks/vllm_mlx_launcher.py --site /root/site"
 
 MTP_STEP_TRACE=FILE appends one JSON line per text-path MTP step (batch, drafts, milliseconds) and per
-sample the adaptive schedule times (diagnosis of the schedule inside a server).
+step the adaptive draft policy times (diagnosis of the policy inside a server).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 
 
 def trace_mtp_steps(path: str) -> None:
-    from vllm_mlx_mtp_routing.text_engine.draft_schedule import DraftSchedule
+    from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts
     from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
 
     out = open(path, "a", buffering=1)
-    step, record = MTPDecode.step, DraftSchedule.record
+    step, record = MTPDecode.step, DraftCosts.record
 
     def traced_step(self, model, cache, inputs, samplers):
         t = time.perf_counter()
@@ -37,12 +37,11 @@ def trace_mtp_steps(path: str) -> None:
                               "tokens": sum(map(len, r.tokens))}) + "\n")
         return r
 
-    def traced_record(self, batch, drafts, tokens_per_row, seconds_per_row):
-        out.write(json.dumps({"timed": [batch, drafts, round(tokens_per_row, 3), round(1000 * seconds_per_row, 3)],
-                              "choice": self.choice_by_batch()}) + "\n")
-        record(self, batch, drafts, tokens_per_row, seconds_per_row)
+    def traced_record(self, batch, drafted, seconds):
+        out.write(json.dumps({"timed": [batch, drafted, round(1000 * seconds, 3)], "ratio": self.ratio_by_batch()}) + "\n")
+        record(self, batch, drafted, seconds)
 
-    MTPDecode.step, DraftSchedule.record = traced_step, traced_record
+    MTPDecode.step, DraftCosts.record = traced_step, traced_record
 
 
 def main(argv: list[str]) -> int:

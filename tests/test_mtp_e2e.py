@@ -44,7 +44,7 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path) -> None
     assert with_mtp == without == always
     assert fixed["adaptive"] is False and fixed["steps_with_mtp"] > fixed["steps_without_mtp"]
     assert fixed["acceptance_rate"] > 0.5  # the trained head (0.87 held-out) really drafts
-    # adaptive MTP keeps exploring drafting even where plain steps are faster on this machine
+    # adaptive MTP drafts at least while it measures what drafting costs at each batch size
     assert mtp["drafted"] > 0 and mtp["steps_with_mtp"] > 0
     assert mtp["accepted"] > 0
     assert set(mtp) >= {"drafted", "accepted", "acceptance_rate", "steps_with_mtp", "steps_without_mtp"}

@@ -2,18 +2,22 @@
 (``observe``), apart from the math of drafting and verifying. Tested without a model.
 
 ``adaptive``: a cost model. Per batch-size bucket a drafting step costs r plain steps (``DraftCosts``:
-learned once, from blocks of the engine's own steady steps alternating between drafting and not),
-and row i yields 1 + a_i tokens when it drafts, a_i its recent accepted drafts per drafting step.
-A step drafts when the rows' tokens pay for it: sum_i (1 + a_i) > r * B, the issue's
-(1 + a) t1 > t2 + tm with the engine's step as it runs (the scheduler's and server's per-step
-work included). Then every row that can draft does: a row left out would be fed padding that
-costs the verify what its draft would. While acceptance keeps a bucket plain but drafting could
-pay at a higher one (r < 1 + k), one step in ``probe_every`` drafts, so the rows' acceptance does
-not go stale. A bucket where r >= 1 + k never drafts after learning.
+measured from blocks of the engine's own steady steps alternating between drafting and not, when a
+bucket is first met and again now and then where the choice is near a tie), and row i yields
+1 + a_i tokens when it drafts, a_i its recent accepted drafts per drafting step. A step drafts when
+the rows' tokens pay for it: sum_i (1 + a_i) > r * B, the issue's (1 + a) t1 > t2 + tm with the
+engine's step as it runs (the scheduler's and the server's per-step work included). Then every row
+that can draft does: a row left out would be fed padding that costs the verify what its draft
+would. While acceptance keeps a bucket plain but drafting could pay at a higher one (r < 1 + k), one
+step in ``probe_every`` drafts, so the rows' acceptance does not go stale; a bucket where
+r >= 1 + k never drafts once measured. This replaced an exploring schedule (throughput arms per
+draft count, timed explorations with back-off, ~12 tunables) that a same-run benchmark did not find
+better anywhere (BENCHMARKS.md section 5, benchmarks/policy_ab.py).
 
 A seeded sampled row drafts k whenever it can (it has a verified pair and is not at its last
-token), whatever the batch or the clock: both are the row's own, so its drafts, its random keys
-and so its output are the same alone or in any batch. A step with such a row drafts for every row.
+token), whatever the batch or the clock decide for the others: its drafts and random keys then
+depend on the row alone, and so does its output, alone or in any batch. A step with such a row
+drafts for every row that can.
 ``adaptive=False`` drafts k every step; ``max_batch_size`` turns drafting off above that batch (for
 seeded rows too: their output then depends on whether the batch crossed it).
 """
@@ -101,7 +105,7 @@ class DraftPolicy:
 
     def observe(
         self, rows: Sequence[MTPRowState], k: int, drafting: list[bool], accepted: list[int], *,
-        seconds: float | None, shape: tuple[int, ...], timed: bool = True, tokens: int = 0,
+        seconds: float | None, shape: tuple[int, ...], timed: bool = True,
     ) -> None:
         """A step ran: the rows' acceptance, and its cost when it was a steady one."""
         for r, d, a in zip(rows, drafting, accepted):

@@ -18,7 +18,7 @@ token x_i it feeds next:
 4. roll back, per row: attention KV by ``RaggedKVCache.trim_rows``, gated-delta recurrent and conv
    state by selecting position a_i's captured state per row.
 
-Rows that do not draft this step (no pairs yet, low recent acceptance, at most one token left)
+Rows that do not draft this step (no pairs yet, at most one token left)
 feed [x_i, x_i, ...]: the padding is computed and discarded and rolled back like a rejected
 draft, so rows with and without drafts share one forward. When no row drafts, the step is a plain
 [B, 1] decode and the head does not run: its hidden states are kept as pending pairs, at most
@@ -35,7 +35,8 @@ runs the step.
 
 Seeds: every random number comes from the row's own ``RowSampler`` key stream, a fixed number of
 keys per step for a given draft count, so a seeded request reproduces given the same drafting
-decisions. A row that never drafts consumes keys exactly as ``SingleTokenDecode`` does.
+decisions; the draft policy makes a seeded sampled row's decisions depend on the row alone. A row
+that never drafts consumes keys exactly as ``SingleTokenDecode`` does.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class MTPDecode:
         resume_window: int = 8,
         prompt_pairs: int | None = DEFAULT_PROMPT_PAIRS,
         draft_hook: DraftHook | None = None,
-        policy: Any = None,
+        policy: DraftPolicy | None = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -229,7 +230,7 @@ class MTPDecode:
         end = time.perf_counter()
         cycle = None if self._last_end is None else end - self._last_end
         self._last_end = end
-        self._record(cache, B, k, drafting, accepted, sum(keep), cycle)
+        self._record(cache, B, k, drafting, accepted, cycle)
         return DecodeResult(tokens, [k if d else 0 for d in drafting], accepted, row_logprobs(logits, tokens, samplers))
 
     def _accept(
@@ -351,7 +352,7 @@ class MTPDecode:
         caps = [c.capacity if c is not None else 0 for c in (kv, self._cache[0])]
         return (B, k, *caps)
 
-    def _record(self, cache: BatchCache, B: int, k: int, drafting: list[bool], accepted: list[int], tokens: int,
+    def _record(self, cache: BatchCache, B: int, k: int, drafting: list[bool], accepted: list[int],
                 seconds: float | None) -> None:
         if k:
             self.steps_with_mtp += 1
@@ -363,8 +364,8 @@ class MTPDecode:
                 self.accepted += a
                 self.accepted_histogram[a] += 1
         caught_up, self._caught_up = self._caught_up, False
-        self.policy.observe(self._rows, k, drafting, accepted, tokens=tokens, seconds=seconds,
-                            shape=self._shape(cache, B, k), timed=not caught_up)
+        self.policy.observe(self._rows, k, drafting, accepted, seconds=seconds, shape=self._shape(cache, B, k),
+                            timed=not caught_up)
 
     def stats(self) -> dict[str, Any]:
         return {

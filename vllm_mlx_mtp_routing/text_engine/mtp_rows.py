@@ -17,8 +17,6 @@ class MTPRowState:
     pending_h: list[tuple[mx.array, int, int, int]] = field(default_factory=list)
     pending_t: list[int] = field(default_factory=list)
     skipped: int = 0  # older pairs dropped unsynced: the head skips their positions
-    ema: float = 1.0  # recent acceptance rate (optimistic start)
-    idle: int = 0  # steps since the row last drafted
     acceptance: float | None = None  # recent accepted drafts per drafting step (the draft policy's)
 
     def add_pending(self, hidden: mx.array, i: int, tokens: list[int]) -> None:
@@ -40,10 +38,3 @@ class MTPRowState:
             else:
                 self.pending_h[0] = (h, i, a + n, b)
             drop -= n
-
-    def observe(self, drafted: bool, accepted: int, k: int) -> None:
-        if drafted:
-            self.ema = 0.5 * self.ema + 0.5 * (accepted / k)
-            self.idle = 0
-        else:
-            self.idle += 1
