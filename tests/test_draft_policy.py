@@ -170,3 +170,17 @@ def test_near_a_tie_the_cost_ratio_is_refined_until_the_choice_is_right():
             assert policy.costs.ratio(2) > 1.9  # drafting looked like a loss at first
     assert abs(policy.costs.ratio(2) - 1.75) < 0.1
     assert chosen[2000:].count(1) / 1000 > 0.88  # the rest: refining sessions' plain blocks
+
+
+def test_a_measurement_without_steady_steps_alternates_instead_of_holding_one_arm():
+    """Rows join and leave at every step (no step is timed): the bucket's first measurement cannot
+    finish, and it must not keep the batch drafting (or plain) for as long as that lasts."""
+    policy = DraftPolicy(1)
+    rows, samplers = [_row() for _ in range(8)], [_sampler() for _ in range(8)]
+    chosen = []
+    for _ in range(400):
+        k, drafting = policy.plan(1, rows, samplers)
+        policy.observe(rows, k, drafting, [1 if d else 0 for d in drafting], seconds=None, shape=(8, k))
+        chosen.append(k)
+    assert policy.costs.ratio(8) is None
+    assert 0.4 < chosen.count(1) / len(chosen) < 0.6

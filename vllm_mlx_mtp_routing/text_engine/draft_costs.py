@@ -31,6 +31,7 @@ class _Bucket:
     session: int = 0  # blocks the running session still needs; 0: none running
     drafting: bool = True  # the arm of the block being timed (drafting first: the head's caches warm)
     times: list[float] = field(default_factory=list)  # the block's timed steps so far
+    waited: int = 0  # steps the block has run
     last: tuple[bool, float] | None = None  # the session's previous block: (drafting, median seconds)
 
 
@@ -61,13 +62,20 @@ class DraftCosts:
     def learning_arm(self, batch: int) -> bool | None:
         """While a session runs: whether the bucket's next step should draft; None otherwise."""
         b = self._bucket(batch)
-        return b.drafting if b.session else None
+        if not b.session:
+            return None
+        b.waited += 1
+        if b.waited > 4 * (self.block + 1):
+            # Too few steady steps (rows join and leave all the time): the block starts again on
+            # the other arm, unpaired, instead of holding one arm as long as the load lasts.
+            b.drafting, b.times, b.last, b.waited = not b.drafting, [], None, 1
+        return b.drafting
 
     def refine(self, batch: int) -> None:
         """Measure this bucket again (the policy's choice there is close to a tie)."""
         b = self._bucket(batch)
         if not b.session:
-            b.session, b.drafting, b.times, b.last = 2 * self.pairs, True, [], None
+            b.session, b.drafting, b.times, b.last, b.waited = 2 * self.pairs, True, [], None, 0
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         """A timed steady step of ``batch`` rows, drafting or not."""
@@ -81,7 +89,7 @@ class DraftCosts:
         if b.last is not None:  # against its neighbour of the other kind: draft / plain
             (dx, x), (_, y) = b.last, block
             b.ratios.append(x / y if dx else y / x)
-        b.last, b.times, b.drafting, b.session = block, [], not b.drafting, b.session - 1
+        b.last, b.times, b.drafting, b.session, b.waited = block, [], not b.drafting, b.session - 1, 0
 
     def ratio_by_batch(self) -> dict[int, float | None]:
         out = {}
