@@ -192,7 +192,8 @@ def test_all_or_nothing_clamps_rows_and_stays_exact(tiny):
 
 
 def test_adaptive_falls_back_when_drafts_are_rejected(tiny):
-    """Random weights accept ~nothing: rows stop drafting (probing now and then), output unchanged."""
+    """Random weights accept ~nothing: once the costs are measured the batch stops drafting (probing now and
+    then), output unchanged."""
     bundle, tok = tiny
     prompts = _prompts([7, 12], seed=9)
     ref = _plain(bundle, tok, prompts, [40, 40])
