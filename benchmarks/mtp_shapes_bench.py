@@ -14,9 +14,8 @@ both.) Per batch size B and acceptance a, in one process:
   mtp_a<a>       per-row acceptance, k = 1, every row drafting every step
   aon_a<a>       batch-wide all-or-nothing acceptance (the host's and mlx-vlm's scheme), B > 1
   t1 / t2 / tm   one plain step, one [B, 2] verify with capture + rollback, one head draft step
-                 (t1 and t2 per gated-delta recurrence variant, VARIANTS: before/after in one run),
-                 timed in turn, so t2 / t1 and tm / t1 are medians of ratios of neighbours (paired)
-  ideal          (1 + a) / (t2 / t1 + tm / t1) with a as measured; efficiency = speedup / ideal
+                 (t1 and t2 per gated-delta recurrence variant, VARIANTS: before/after in one run)
+  ideal          (1 + a) * t1 / (t2 + tm) with a as measured; efficiency = speedup / ideal
   breakdown      where t2 - t1 sits: the gated-delta layers, the attention layers and the lm_head
                  run alone at 1 and 2 tokens per row (each group timed as one graph)
 
@@ -265,21 +264,6 @@ def median_ms(fn: Callable[[], None], iters: int) -> float:
     return statistics.median(times)
 
 
-def paired_ms(fns: dict[str, Callable[[], None]], iters: int) -> dict[str, list[float]]:
-    """Each function timed once per cycle, cycles in a rotating order: the i-th times of all of
-    them are seconds apart, so their ratios are paired (t1 alone measured 7.2-11.3 ms across
-    variants that share it in one GPU run: a machine's slow moments, not the variants)."""
-    for fn in fns.values():
-        fn()
-    names, times = list(fns), {n: [] for n in fns}
-    for i in range(iters):
-        for n in names[i % len(names):] + names[: i % len(names)]:
-            t = time.perf_counter()
-            fns[n]()
-            times[n].append(1000 * (time.perf_counter() - t))
-    return times
-
-
 def _snapshot(layers: list) -> list:
     return [c.checkpoint() if isinstance(c, RaggedKVCache) else list(c.cache) for c in layers]
 
@@ -309,6 +293,12 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
     feed = mx.concatenate([x, (x + 1) % 1000], axis=1)
     keep = [1 + (i % 2) for i in range(B)]  # half the rows accept, half reject
 
+    def rewound(fn: Callable[[], None]) -> float:
+        def go() -> None:
+            fn()
+            _restore(cache.layers, snap)
+        return median_ms(go, iters)
+
     def t1() -> None:
         logits = model(x, cache=cache.layers)[:, -1, :]
         mx.eval(mx.argmax(logits, axis=-1), cache.state())
@@ -322,6 +312,18 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
             mx.eval(cache.state())
         return fn
 
+    res: dict[str, Any] = {}
+    for name in VARIANTS:
+        try:
+            with variant(model, name):
+                res[f"t1_{name}_ms"] = rewound(t1)
+                res[f"t2_{name}_ms"] = rewound(t2(True))
+        except Exception as e:  # noqa: BLE001 - a variant that fails on this device is recorded, not fatal
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            _restore(cache.layers, snap)
+    res["t1_ms"], res["t2_ms"] = res[f"t1_{DEFAULT}_ms"], res[f"t2_{DEFAULT}_ms"]
+    res["t2_nocapture_ms"] = rewound(t2(False))
+
     greedy = [RowSampler(SamplingOptions(max_tokens=10**6)) for _ in range(B)]
     h_new = mx.zeros((B, 1, model.args.hidden_size), rows.hidden[0].dtype)
     msnap = _snapshot(mtp._cache)
@@ -334,32 +336,7 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
         mx.eval(drafts, [c.state for c in mtp._cache])
         _restore(mtp._cache, msnap)
 
-    def rewind(fn: Callable[[], None]) -> Callable[[], None]:
-        def go() -> None:
-            fn()
-            _restore(cache.layers, snap)
-        return go
-
-    res: dict[str, Any] = {}
-    for name in VARIANTS:
-        fns = {"t1": rewind(t1), "t2": rewind(t2(True))}
-        if name == DEFAULT:
-            fns.update({"t2_nocapture": rewind(t2(False)), "tm": tm})
-        try:
-            with variant(model, name):
-                times = paired_ms(fns, iters)
-        except Exception as e:  # noqa: BLE001 - a variant that fails on this device is recorded, not fatal
-            res[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-            _restore(cache.layers, snap)
-            continue
-        for key, ts in times.items():
-            res[f"{key}_{name}_ms"] = statistics.median(ts)
-            if key != "t1":  # each against the t1 timed beside it (the same cycle): a slow moment hits both
-                res[f"{key}_{name}_over_t1_paired"] = statistics.median(t / u for t, u in zip(ts, times["t1"]))
-    for key in ("t1", "t2", "t2_nocapture", "tm"):
-        res[f"{key}_ms"] = res[f"{key}_{DEFAULT}_ms"]
-    for key in ("t2", "t2_nocapture", "tm"):
-        res[f"{key}_over_t1_paired"] = res[f"{key}_{DEFAULT}_over_t1_paired"]
+    res["tm_ms"] = median_ms(tm, iters)
     res["breakdown"] = breakdown(model, cache, snap, B, iters)
     return res
 
@@ -488,9 +465,9 @@ def summarize(B: int, costs: dict, runs: dict[str, list[tuple[float, dict]]], ac
         "plain_control_ratio": round(statistics.median(c[0] / p[0] for p, c in
                                                        zip(runs["plain"], runs["plain_control"])), 3),
         **{key: (round(v, 3) if isinstance(v, float) else v) for key, v in costs.items()},
-        "t2_over_t1": round(costs["t2_over_t1_paired"], 3),
-        **{f"t2_{name}_over_t1": round(costs[f"t2_{name}_over_t1_paired"], 3) for name in VARIANTS
-           if f"t2_{name}_over_t1_paired" in costs},
+        "t2_over_t1": round(costs["t2_ms"] / costs["t1_ms"], 3),
+        **{f"t2_{name}_over_t1": round(costs[f"t2_{name}_ms"] / costs[f"t1_{name}_ms"], 3) for name in VARIANTS
+           if f"t2_{name}_ms" in costs},
     }
     for name, rs in runs.items():
         if name in ("plain", "plain_control"):
@@ -499,7 +476,7 @@ def summarize(B: int, costs: dict, runs: dict[str, list[tuple[float, dict]]], ac
         accepted = sum(r[1]["accepted"] for r in rs)
         a = accepted / drafted if drafted else 0.0
         speedup = statistics.median(r[0] / p for r, p in zip(rs, plain))
-        ideal = (1 + a) / (costs["t2_over_t1_paired"] + costs["tm_over_t1_paired"])
+        ideal = (1 + a) * costs["t1_ms"] / (costs["t2_ms"] + costs["tm_ms"])
         row[name] = {
             "tok_s": round(statistics.median(r[0] for r in rs), 1),
             "speedup": round(speedup, 3),
