@@ -68,6 +68,7 @@ from vllm_mlx_mtp_routing.backbone import (  # noqa: E402
     rollback_rows,
     use_fused_recurrence,
 )
+from vllm_mlx_mtp_routing.skinny_matmul import use_skinny_matmul  # noqa: E402
 from vllm_mlx_mtp_routing.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
     GatedDeltaNet,
@@ -159,6 +160,8 @@ def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[
     head.train(False)
     head.bind(model)
     use_fused_recurrence(model)  # as build_text_model does (CUDA only)
+    use_skinny_matmul(model.model)  # likewise
+    use_skinny_matmul(head)
     mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
                                  if isinstance(v, mx.array)])
     n_backbone = sum(v.size for _, v in tree_flatten(model.parameters()))
