@@ -81,10 +81,7 @@ def test_throughput_within_3_percent_of_the_better_fixed_choice():
         for seed in range(3):
             _, policy = simulate(DraftPolicy(1), 1500, ratio=ratio, acceptance=acc, seed=seed)
             _, always = simulate(DraftPolicy(1, adaptive=False), 1500, ratio=ratio, acceptance=acc, seed=seed)
-            # Near a tie (1.5 / 0.55-0.6: drafting 3-7% ahead) the rows' acceptance is a few coins per
-            # step, and a plain step measures none: within 3.5% there, within 3% elsewhere.
-            bound = 0.965 if ratio == 1.5 else 0.97
-            assert policy >= bound * max(always, 1.0), (ratio, acc, seed, policy, always)
+            assert policy >= 0.97 * max(always, 1.0), (ratio, acc, seed, policy, always)
 
 
 def test_k2_weighs_accepted_drafts_per_step():
@@ -99,7 +96,9 @@ def test_a_drop_in_acceptance_turns_drafting_off_and_probes_find_it_again():
     assert chosen[500:600].count(1) >= 98
     off = chosen[700:1400]
     assert off.count(1) <= len(off) // 32 + 1  # probes only
-    assert chosen[1700:].count(1) / len(chosen[1700:]) > 0.97  # acceptance came back: found by the probes
+    # Acceptance came back at 1400: the probes (4 rows' coins every 32 steps) raise every row's
+    # estimate, and drafting resumes within ~300 steps.
+    assert chosen[1700:].count(1) / len(chosen[1700:]) > 0.97
 
 
 def test_fixed_policy_drafts_every_row_that_can():

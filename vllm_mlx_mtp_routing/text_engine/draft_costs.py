@@ -7,8 +7,9 @@ time is divided by its neighbouring block's of the other kind (seconds apart, so
 the machine, a busy host thread or another process, falls on both sides of most ratios), and the
 bucket's cost ratio r = t_draft / t_plain is the median of its last ``keep`` such ratios. The first
 session runs when the bucket is first met; later ones only when the policy asks (``refine``: its
-choice is close enough to a tie that r's error could flip it), so each adds ratios where they
-matter and r converges there, while a bucket with a clear answer is never measured again.
+choice is within two standard errors of r of a tie, so r's error could flip it), so each adds
+ratios where they matter and r converges there until the choice is clear, while a bucket with a
+clear answer is never measured again.
 
 The caller decides which steps are timed: a step that compiles or plans a new shape, follows a
 switch of draft count, a join or a leave, or resumes the MTP head after plain steps is a one-off.
@@ -58,6 +59,13 @@ class DraftCosts:
         if b.session and not b.ratios:
             return None
         return statistics.median(b.ratios) if b.ratios else None
+
+    def uncertainty(self, batch: int) -> float:
+        """The relative standard error of ``ratio`` (its ratios' spread over the root of their count)."""
+        r = self._bucket(batch).ratios
+        if len(r) < 2:
+            return float("inf")
+        return statistics.stdev(r) / len(r) ** 0.5 / statistics.median(r)
 
     def learning_arm(self, batch: int) -> bool | None:
         """While a session runs: whether the bucket's next step should draft; None otherwise."""

@@ -3,7 +3,7 @@
 
 ``adaptive``: a cost model. Per batch-size bucket a drafting step costs r plain steps (``DraftCosts``:
 measured from blocks of the engine's own steady steps alternating between drafting and not, when a
-bucket is first met and again now and then where the choice is near a tie), and row i yields
+bucket is first met and again now and then while the choice is within r's error of a tie), and row i yields
 1 + a_i tokens when it drafts, a_i its recent accepted drafts per drafting step. A step drafts when
 the rows' tokens pay for it: sum_i (1 + a_i) > r * B, the issue's (1 + a) t1 > t2 + tm with the
 engine's step as it runs (the scheduler's and the server's per-step work included). Then every row
@@ -30,10 +30,9 @@ from .draft_costs import DraftCosts, bucket_of
 from .mtp_rows import MTPRowState
 from .sampling import RowSampler
 
-ROW_RATE = 1 / 16  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
-PRIOR_RATE = 1 / 64  # a new row's starting estimate: the recent acceptance of every row
+ROW_RATE = 1 / 8  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
+PRIOR_RATE = 1 / 32  # a new row's starting estimate: the recent acceptance of every row
 HOLD = 0.03  # drafting stops when it loses by this much (see _pays)
-NEAR_TIE = 0.1  # a choice within this of a tie refines the bucket's cost ratio now and then
 
 
 class DraftPolicy:
@@ -95,7 +94,7 @@ class DraftPolicy:
             if not go and r < 1 + k:
                 go = self._plain_run.get(b, 0) + 1 >= self.probe_every  # a probe: acceptance must not go stale
             self._since_refine[b] = self._since_refine.get(b, 0) + 1
-            if abs(tokens / (r * B) - 1) < NEAR_TIE and self._since_refine[b] >= self.refine_every:
+            if abs(tokens / (r * B) - 1) < 2 * self.costs.uncertainty(B) and self._since_refine[b] >= self.refine_every:
                 # r's error could flip this choice: measure it again, adding to what it has.
                 self.costs.refine(B)
                 self._since_refine[b] = 0
