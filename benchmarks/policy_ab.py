@@ -6,9 +6,11 @@ scheduler, and the schedulers step in turn, one step each (the order rotating ev
 slow phase of a shared machine (seconds long: another process's test run) falls on every
 configuration alike instead of on whichever ran then; mtp_decode_bench runs them one after another
 and on the 2-core machine shared with other sessions its per-round ratios swung 0.5-2.3x. A
-configuration's tok/s counts its decode steps only. Each policy times its steps from the end of its
-own previous step; the time the other configurations took in between is taken out (as if it had
-run alone), so what it learns is its own cost.
+configuration's tok/s counts its decode steps only, with the device work a step leaves running
+(MTPDecode's rollback overlaps the scheduler's bookkeeping) awaited before the next configuration
+steps and counted to its own. Each policy times its steps from the end of its own previous step;
+the time the other configurations took in between is taken out (as if it had run alone), so what
+it learns is its own cost.
 
   plain, plain_control  SingleTokenDecode (the second is the noise floor: control / plain)
   always                MTPDecode, every row drafting k every step (--mtp-schedule always)
@@ -92,7 +94,12 @@ def lockstep(bundle, tok, prompts, max_tokens, decodes: dict, order_seed: int) -
             for o in r["sched"].step():
                 if o.finished:
                     r["finals"][int(o.request_id)] = o.token_ids
+            # MTPDecode leaves its rollback running (async) while the scheduler does its bookkeeping:
+            # it must end here, counted to this configuration, not inside the next one's step.
+            t = time.perf_counter()
+            mx.synchronize()
             if r["timed"].end is not None:
+                r["timed"].seconds += time.perf_counter() - t
                 r["tail"] = time.perf_counter() - r["timed"].end
     return {n: (r["timed"], [r["finals"][i] for i in range(len(prompts))]) for n, r in runs.items()}
 
