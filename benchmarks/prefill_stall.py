@@ -8,7 +8,8 @@ prompt arrived (the decode cadence), the longest gap while it prefilled, /health
 latency over that window, and the long prompt's time to its answer (TTFT). "before" runs the plugin
 from another checkout (`--base DIR`, put first on PYTHONPATH), "after" this checkout; both in one run,
 same model and flags. Target (issue 13): longest gap <= 3x the median decode gap plus one step's
-prefill budget; /health under 1 s.
+prefill budget; /health under 1 s. ``arrival_gap_s``: the longest gap overlapping the first 0.5 s after
+the long prompt was sent (its upload and preparation, and its first chunk).
 
   python benchmarks/prefill_stall.py --base /path/to/baseline-checkout
   python benchmarks/prefill_stall.py --model /root/qwen35-2b --prompt-tokens 16384   # on a GPU
@@ -49,6 +50,9 @@ def long_prompt(model: Path, tokens: int) -> str:
         ids = tok.encode(text, add_special_tokens=False)
         i += 1
     return tok.decode(ids[: tokens - 16])  # room for the chat template's own tokens
+
+
+ARRIVAL_WINDOW_S = 0.5
 
 
 async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float,
@@ -101,12 +105,15 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
     # when the worst gaps ended, from the long prompt's send: early = admission/first chunk, late = the row's join
     worst = sorted(((b - a, b - t0) for arr in arrivals for a, b in zip(arr, arr[1:]) if t0 <= b <= t1 + 0.5), reverse=True)
     starved = [t1 - arr[-1] for arr in arrivals if arr and arr[-1] < t1]  # streams with no token after a stall
+    # the prompt's arrival (body upload, template, tokenization, snapshot positions) and its first chunk
+    arrival = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b > t0 and a < t0 + ARRIVAL_WINDOW_S]
     lat = [d for tic, d in health if t0 <= tic <= t1]
     return {
         "prompt_tokens": response.json()["usage"]["prompt_tokens"],
         "ttft_s": round(t1 - t0, 3),
         "decode_gap_median_s": round(statistics.median(before), 4),
         "longest_gap_s": round(max(during + starved), 4),
+        "arrival_gap_s": round(max(arrival), 4) if arrival else None,
         "gaps_during_prefill": len(during),
         "health_max_s": round(max(lat), 4) if lat else None,
         "health_median_s": round(statistics.median(lat), 4) if lat else None,

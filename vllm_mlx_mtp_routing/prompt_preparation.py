@@ -6,7 +6,7 @@ Here the prompt is rendered once and tokenized once (``SharedTokens`` places the
 boundaries from that one tokenization), on one worker thread; the event loop only awaits it.
 
 The worker tokenizes with its own copy of the tokenizer: a Hugging Face fast tokenizer used by two
-threads at once can fail (``RuntimeError: Already borrowed`` in tokenizers releases before 0.23 when
+threads at once can fail (``RuntimeError: Already borrowed`` in tokenizers releases where
 one thread changes padding or truncation), and the host tokenizes on the event loop. One worker thread keeps the copy to one thread and the requests in their arrival order. The
 chat template is rendered on the worker too (Jinja only reads the host's processor).
 """

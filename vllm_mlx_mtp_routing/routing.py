@@ -4,6 +4,7 @@ continuous batch, anything with an image, video or audio part to the host's mlx-
 Both paths step on the event-loop thread, where the host's MLLM scheduler already steps: MLX work
 never runs on two threads at once. Fairness: each scheduler runs one step, then yields the loop, so
 under mixed load text and media steps alternate and neither path waits for the other to drain.
+A text prompt's template and tokenization (no MLX work) run on a worker thread (prompt_preparation).
 """
 
 from __future__ import annotations
