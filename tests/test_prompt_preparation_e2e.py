@@ -45,7 +45,7 @@ def server(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield s
 
 
-def test_long_prompts_at_once_beside_images_equal_alone(server: Server) -> None:
+def test_long_prompts_at_once_beside_images_equal_alone(server: Server, tiny_vlm_fp32: Path) -> None:
     conversations = _conversations()
     raw = [f"# file {i}\n" + _code(20 + i) for i in range(3)]
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
@@ -71,14 +71,23 @@ def test_long_prompts_at_once_beside_images_equal_alone(server: Server) -> None:
             asyncio.gather(*(image((40 * i, 0, 255 - 40 * i)) for i in range(3))),
         )
 
-    together_chat, together_raw, images = asyncio.run(burst())
-
     async def alone() -> tuple[list, list]:
         return [await chat(m, t) for m, t in conversations], [await complete(p) for p in raw]
 
-    alone_chat, alone_raw = asyncio.run(alone())
+    async def both() -> tuple:
+        return await burst(), await alone()
+
+    (together_chat, together_raw, images), (alone_chat, alone_raw) = asyncio.run(both())
     assert together_chat == alone_chat and together_raw == alone_raw
     assert all(n > 300 for _, n in together_chat + together_raw)  # long enough to be worth moving off the loop
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vlm_fp32))  # the prompt's tokens are the model's own
+    for (messages, tools), (_, n) in zip(conversations, together_chat):
+        if tools is None:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+            assert n == len(tok.encode(text, add_special_tokens=False))
+    assert [n for _, n in together_raw] == [len(tok.encode(p, add_special_tokens=False)) for p in raw]
     assert all(reason in ("stop", "length") for reason in images)
     status = httpx.get(f"{server.url}/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
     assert status["routing"]["media"] >= 3
