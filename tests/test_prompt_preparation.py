@@ -158,3 +158,13 @@ def test_the_worker_tokenizer_never_meets_the_hosts_thread():
         preparer.close()
     assert not errors, errors[:3]
     assert got == expected
+
+
+def test_a_tokenizer_that_cannot_be_copied_keeps_preparation_on_the_loop(caplog):
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot pickle 'Tokenizer' object")
+
+    with caplog.at_level("WARNING"):
+        assert PromptPreparer.create(Uncopyable()) is None
+    assert "prepared on the event loop" in caplog.text and "cannot pickle" in caplog.text

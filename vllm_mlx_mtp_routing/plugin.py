@@ -246,7 +246,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     from .prompt_preparation import PromptPreparer
 
     logprobs_response.install()
-    router.prompts = PromptPreparer(info.tokenizer)
+    router.prompts = PromptPreparer.create(info.tokenizer)
     return router.start_text_path(text_engine)
 
 

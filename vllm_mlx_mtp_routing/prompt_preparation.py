@@ -55,6 +55,16 @@ class PromptPreparer:
         self.tokenizer = copy.deepcopy(tokenizer)  # the worker's own (see the module's docstring)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-prompt")
 
+    @classmethod
+    def create(cls, tokenizer: Any) -> PromptPreparer | None:
+        """None (prompts prepared on the event loop, as before) when the tokenizer cannot be copied."""
+        try:
+            return cls(tokenizer)
+        except Exception as exc:
+            logger.warning("Text prompts are prepared on the event loop: the tokenizer could not be copied for a worker (%s: %s)",
+                           type(exc).__name__, exc)
+            return None
+
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # A request cancelled while waiting leaves the worker to finish and drop the result.
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, self.tokenizer, *args, **kwargs))
