@@ -115,6 +115,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         "decode_gap_median_s": round(statistics.median(before), 4),
         "longest_gap_s": round(max(during + starved), 4),
         "window_gap_s": round(max(overlapping + starved), 4),  # gaps overlapping the request, from its send to its answer
+        "gap_p99_s": round(sorted(during)[int(0.99 * (len(during) - 1))], 4) if during else None,
         "gaps_during_prefill": len(during),
         "health_max_s": round(max(lat), 4) if lat else None,
         "health_median_s": round(statistics.median(lat), 4) if lat else None,
