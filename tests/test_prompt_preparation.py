@@ -168,3 +168,18 @@ def test_a_tokenizer_that_cannot_be_copied_keeps_preparation_on_the_loop(caplog)
     with caplog.at_level("WARNING"):
         assert PromptPreparer.create(Uncopyable()) is None
     assert "prepared on the event loop" in caplog.text and "cannot pickle" in caplog.text
+
+
+def test_prep_cost_benchmark_with_the_hosts_render(tmp_path, monkeypatch):
+    """benchmarks/prompt_prep_cost.py at a small size: the host's own render (vllm-mlx's _apply_chat_template on
+    the mlx-vlm processor) run on the worker gives the tokens and positions of the old on-the-loop method."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "cost.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "prompt_prep_cost.py"
+    subprocess.run([sys.executable, str(script), "--prompt-tokens", "1500", "--repeats", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4 and all(c["prompt_tokens"] > 1400 and c["positions"] for c in cases.values())
