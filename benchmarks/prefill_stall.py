@@ -125,8 +125,12 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
 
 
 def model_context(model: Path) -> int:
+    """The context the plugin reads (text_config first); the probes need one, or a probe would generate."""
     config = json.loads((model / "config.json").read_text())
-    return int((config.get("text_config") or config).get("max_position_embeddings") or 32768)
+    for source in (config.get("text_config") or {}, config):
+        if isinstance(source.get("max_position_embeddings"), int):
+            return source["max_position_embeddings"]
+    raise SystemExit(f"{model}: no max_position_embeddings in config.json")
 
 
 def prep_probes(servers: dict, prompt: str, args: argparse.Namespace, context: int) -> dict:
@@ -179,10 +183,11 @@ def main() -> None:
 
     device = str(mx.default_device())
     prompt = long_prompt(args.model, args.prompt_tokens)
-    context = model_context(args.model)  # a probe asks for this many tokens: past the context with any prompt
+    context = model_context(args.model) if args.prep_probes else 0  # a probe asks for this many tokens
     flags = ["--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", str(args.streams + 2),
-             "--prefill-step-size", str(args.prefill_step_size), "--max-request-tokens", str(max(32768, context)),
-             *args.flags.split()]
+             "--prefill-step-size", str(args.prefill_step_size), *args.flags.split()]
+    if context > 32768:  # the host's --max-request-tokens default
+        flags += ["--max-request-tokens", str(context)]
     command = args.command.split() if args.command else None
     variants = ([("before", {"PYTHONPATH": os.pathsep.join(filter(None, [str(args.base), os.environ.get("PYTHONPATH", "")]))})]
                 if args.base else []) + [("after", {})]
