@@ -275,7 +275,13 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
         return None
     from .prefix_cache.cache import PrefixCache
 
-    cache = PrefixCache(model, settings.budget_bytes, with_head=with_head)
+    disk = None
+    if settings.ssd_dir:
+        from .prefix_cache.disk_tier import DiskTier, fingerprint
+
+        disk = DiskTier(Path(settings.ssd_dir), settings.ssd_budget_bytes, fingerprint(model))
+        logger.info("mtp-routing: text-path prefix cache spills to %s (up to %.1f GB)", disk.dir, settings.ssd_budget_bytes / 1e9)
+    cache = PrefixCache(model, settings.budget_bytes, with_head=with_head, disk=disk)
     from .host import usage
     from .prefix_cache.metrics import register_metrics
 
