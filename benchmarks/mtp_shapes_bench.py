@@ -68,6 +68,7 @@ from vllm_mlx_mtp_routing.backbone import (  # noqa: E402
     rollback_rows,
     use_fused_recurrence,
 )
+from vllm_mlx_mtp_routing.skinny_matmul import use_skinny_matmul  # noqa: E402
 from vllm_mlx_mtp_routing.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
     GatedDeltaNet,
@@ -159,6 +160,8 @@ def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[
     head.train(False)
     head.bind(model)
     use_fused_recurrence(model)  # as build_text_model does (CUDA only)
+    use_skinny_matmul(model.model)  # likewise
+    use_skinny_matmul(head)
     mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
                                  if isinstance(v, mx.array)])
     n_backbone = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -323,6 +326,27 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
             _restore(cache.layers, snap)
     res["t1_ms"], res["t2_ms"] = res[f"t1_{DEFAULT}_ms"], res[f"t2_{DEFAULT}_ms"]
     res["t2_nocapture_ms"] = rewound(t2(False))
+    # The medians above are taken one after the other, so a slow phase of a shared GPU host can land on
+    # one of them (t1 moved 7-11 ms across variants in one run). Here t1, t2 and t2 without capture
+    # alternate within each iteration and the ratio is taken per iteration: the phase falls on both.
+    ratios: dict[str, list[float]] = {"t2": [], "t2_nocapture": [], "capture_rollback_ms": []}
+    with variant(model, DEFAULT):
+        for fn in (t1, t2(True), t2(False)):  # warm
+            fn()
+            _restore(cache.layers, snap)
+        for _ in range(3 * iters):
+            costs = []
+            for fn in (t1, t2(True), t2(False)):
+                tic = time.perf_counter()
+                fn()
+                costs.append(1000 * (time.perf_counter() - tic))
+                _restore(cache.layers, snap)
+            ratios["t2"].append(costs[1] / costs[0])
+            ratios["t2_nocapture"].append(costs[2] / costs[0])
+            ratios["capture_rollback_ms"].append(costs[1] - costs[2])
+    res["t2_over_t1_paired"] = round(statistics.median(ratios["t2"]), 3)
+    res["t2_nocapture_over_t1_paired"] = round(statistics.median(ratios["t2_nocapture"]), 3)
+    res["capture_rollback_ms_paired"] = round(statistics.median(ratios["capture_rollback_ms"]), 3)
 
     greedy = [RowSampler(SamplingOptions(max_tokens=10**6)) for _ in range(B)]
     h_new = mx.zeros((B, 1, model.args.hidden_size), rows.hidden[0].dtype)
@@ -489,6 +513,7 @@ def summarize(B: int, costs: dict, runs: dict[str, list[tuple[float, dict]]], ac
 
 
 def main(argv: list[str] | None = None) -> int:
+    global VARIANTS  # --variants narrows it for the whole run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="2b")
     ap.add_argument("--batches", default="1,2,4,8")
@@ -502,11 +527,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0, help="stop starting batch sizes after this (0: none)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--smoke", action="store_true", help="defaults for a CPU check: tiny shape, batches 1,2, a = 0.8, 8 tokens, 1 round")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"gated-delta recurrence variants to time (t1/t2, breakdown); must include {DEFAULT}")
     ap.add_argument("--out", type=Path, required=True)
     if ap.parse_args(argv).smoke:  # the smoke values are defaults: arguments given still count
         ap.set_defaults(shape="small", batches="1,2", acceptance="0.8", prompt_tokens=16, max_tokens=8, rounds=1,
                         iters=2)
     a = ap.parse_args(argv)
+    VARIANTS = tuple(v for v in a.variants.split(",") if v)
+    if DEFAULT not in VARIANTS or not set(VARIANTS) <= {"loop", "fused", "compiled", "compiled_layer"}:
+        ap.error(f"--variants: a comma list of loop, fused, compiled, compiled_layer that includes {DEFAULT}")
     t_start = time.perf_counter()
     batches = [int(b) for b in a.batches.split(",")]
     acceptances = [float(x) for x in a.acceptance.split(",")]
@@ -598,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"].append(row)
         write()
         brief = {key: row[key] for key in ("batch", "plain_tok_s", "plain_control_ratio", "t1_ms", "t2_ms", "tm_ms",
-                                           "t2_over_t1", "seconds")}
+                                           "t2_over_t1", "t2_over_t1_paired", "capture_rollback_ms_paired", "seconds")}
         brief.update({f"t2_{n}_over_t1": row.get(f"t2_{n}_over_t1") for n in VARIANTS})
         brief.update({name: [row[name]["speedup"], row[name]["acceptance"], row[name]["efficiency"]]
                       for name in names if name not in ("plain", "plain_control")})

@@ -243,8 +243,10 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
         router.admission.cache_bytes = lambda: prefix_cache.nbytes
     from .host import logprobs_response
+    from .prompt_preparation import PromptPreparer
 
     logprobs_response.install()
+    router.prompts = PromptPreparer.create(info.tokenizer)
     return router.start_text_path(text_engine)
 
 
@@ -273,7 +275,13 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
         return None
     from .prefix_cache.cache import PrefixCache
 
-    cache = PrefixCache(model, settings.budget_bytes, with_head=with_head)
+    disk = None
+    if settings.ssd_dir:
+        from .prefix_cache.disk_tier import DiskTier, fingerprint
+
+        disk = DiskTier(Path(settings.ssd_dir), settings.ssd_budget_bytes, fingerprint(model))
+        logger.info("mtp-routing: text-path prefix cache spills to %s (up to %.1f GB)", disk.dir, settings.ssd_budget_bytes / 1e9)
+    cache = PrefixCache(model, settings.budget_bytes, with_head=with_head, disk=disk)
     from .host import usage
     from .prefix_cache.metrics import register_metrics
 

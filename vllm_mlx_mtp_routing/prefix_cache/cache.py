@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.nn as nn
 
 from . import snapshot
+from .disk_tier import DiskTier
 from .tree import PrefixTree
 
 if TYPE_CHECKING:  # the text engine imports this package (plan.py)
@@ -39,12 +40,18 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, model: nn.Module, budget_bytes: int, *, with_head: bool = False) -> None:
+    def __init__(self, model: nn.Module, budget_bytes: int, *, with_head: bool = False, disk: DiskTier | None = None) -> None:
         """``with_head``: the decode strategy runs an MTP head, whose cache a hit restores too
-        (where the snapshot has it), so the head continues right after the hit."""
+        (where the snapshot has it), so the head continues right after the hit. ``disk``: a second
+        tier that snapshots evicted from memory spill to (and system prefixes are written through
+        to, so they survive a restart), read back on a hit longer than memory's."""
         self.model = model
         self.tree = PrefixTree(budget_bytes)
         self.with_head = with_head
+        self.disk = disk
+        self.disk_hits = 0
+        if disk is not None:
+            self.tree.on_evict = self._spill
         self.lookups = 0
         self.hits = 0
         self.hit_tokens = 0
@@ -63,6 +70,12 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], max_len: int) -> Hit | None:
         self.lookups += 1
         entry = self.tree.longest(tokens, max_len) if max_len > 0 else None
+        if self.disk is not None:
+            on_disk = self.disk.longest(tokens, max_len)
+            if on_disk is not None and (entry is None or on_disk.length > entry.length):
+                hit = self._from_disk(tokens, on_disk)
+                if hit is not None:
+                    return hit
         if entry is None:
             return None
         self.tree.pin(entry)  # in use while its arrays are read
@@ -75,6 +88,37 @@ class PrefixCache:
         self.hit_tokens += entry.length
         self.hits_by_kind[entry.kind] = self.hits_by_kind.get(entry.kind, 0) + 1
         return Hit(entry.length, state, entry.kind)
+
+    def _from_disk(self, tokens: Sequence[int], on_disk: Any) -> Hit | None:
+        snap = self.disk.load(on_disk)
+        if snap is None:
+            return None
+        state = snapshot.restore([snap], self.model.make_cache(), self.with_head)
+        # Back in memory (whole, no base), where the conversation's next snapshots can extend it.
+        self.tree.insert(tokens, snap.length, on_disk.kind, snap)
+        self.hits += 1
+        self.disk_hits += 1
+        self.hit_tokens += snap.length
+        self.hits_by_kind[on_disk.kind] = self.hits_by_kind.get(on_disk.kind, 0) + 1
+        return Hit(snap.length, state, on_disk.kind)
+
+    def _whole(self, entry: Any) -> snapshot.Snapshot:
+        """An entry's snapshot with its bases folded in (KV from position 0)."""
+        chain = entry.chain()
+        if len(chain) == 1 and all(not isinstance(p, snapshot._KV) or p.start == 0 for p in entry.payload.layers):
+            return entry.payload
+        state = snapshot.restore([e.payload for e in chain], self.model.make_cache(), True)
+        return snapshot.take(state, None)
+
+    def _spill(self, entry: Any) -> None:
+        """The tree is evicting ``entry`` from memory: keep it on disk (if it is not there yet)."""
+        tokens = self.tree.tokens(entry)
+        if self.disk.has(tokens, entry.length):
+            return
+        try:
+            self.disk.save(tokens, entry.kind, self._whole(entry))
+        except Exception:  # noqa: BLE001 - the eviction goes on; only the disk copy is lost
+            logger.exception("prefix cache: spilling a %d-token snapshot to disk failed", entry.length)
 
     def count_prefilled(self, n: int) -> None:
         self.prefilled_tokens += n
@@ -100,8 +144,12 @@ class PrefixCache:
                 self.tree.unpin(base)
         if entry is None:
             logger.debug("prefix cache: a %d-token %s snapshot (%d bytes) does not fit", length, kind, snap.nbytes)
+            if self.disk is not None and not self.disk.has(tokens, length):
+                self.disk.save(tokens, kind, snapshot.take(state, None))
             return False
         self.saved += 1
+        if self.disk is not None and kind == "system" and not self.disk.has(tokens, length):
+            self.disk.save(tokens, kind, self._whole(entry))  # the longest-lived prefixes survive a restart
         return True
 
     def clear(self) -> None:
@@ -123,4 +171,6 @@ class PrefixCache:
             "snapshots_saved": self.saved,
             "evictions": self.tree.stats.evictions,
             "rejected": self.tree.stats.rejected,
+            "disk_hits": self.disk_hits,
+            "disk": self.disk.stats() if self.disk is not None else {"enabled": False},
         }

@@ -16,6 +16,7 @@ _COUNTERS = {
     "prefilled_tokens": "Prompt tokens prefilled by requests that looked the cache up.",
     "evictions": "Snapshots evicted to stay within the byte budget.",
     "snapshots_saved": "Snapshots stored.",
+    "disk_hits": "Lookups that restored a prefix from the disk tier (--ssd-cache-dir).",
 }
 _GAUGES = {
     "entries": "Snapshots held.",
@@ -40,6 +41,10 @@ class PrefixCacheCollector:
             yield CounterMetricFamily(PREFIX + name, doc, value=s[name])
         for name, doc in _GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=s[name])
+        disk = s.get("disk", {})
+        if disk.get("enabled"):
+            yield GaugeMetricFamily(PREFIX + "disk_bytes", "Bytes of snapshot files on disk.", value=disk["bytes"])
+            yield GaugeMetricFamily(PREFIX + "disk_entries", "Snapshot files on disk.", value=disk["entries"])
 
 
 def register_metrics(cache: Any) -> PrefixCacheCollector | None:

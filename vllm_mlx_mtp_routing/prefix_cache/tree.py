@@ -81,6 +81,9 @@ class PrefixTree:
         self._entries: set[Entry] = set()
         self._clock = itertools.count(1)
         self.stats = TreeStats()
+        # Called with an entry about to be evicted (alive, its payload and bases intact); a second tier
+        # keeps it from there. Not called by clear().
+        self.on_evict: Callable[[Entry], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -121,6 +124,16 @@ class PrefixTree:
             return None
         node = self._walk(tokens, length)[-1]
         return node.entry if node.depth == length else None
+
+    def tokens(self, entry: Entry) -> list[int]:
+        """The token ids of a live entry's prefix (its path from the root)."""
+        node, parts = entry.node, []
+        if node is None:
+            raise ValueError("entry is not in the tree")
+        while node is not self._root:
+            parts.append(node.edge)
+            node = node.parent
+        return [t for edge in reversed(parts) for t in edge]
 
     def touch(self, entry: Entry) -> None:
         """Mark an entry (and the bases a restore reads through it) as just used."""
@@ -229,6 +242,13 @@ class PrefixTree:
             self.stats.evictions += 1
         return before - self.nbytes
 
+    def drop(self, entry: Entry) -> None:
+        """Remove one entry that nothing extends (a second tier's damaged file, say)."""
+        if entry.alive:
+            if entry.dependents:
+                raise ValueError("an entry other entries extend cannot be dropped")
+            self._remove(entry)
+
     def clear(self) -> None:
         for e in list(self._entries):
             e.node = None
@@ -240,6 +260,8 @@ class PrefixTree:
     def _remove(self, entry: Entry) -> None:
         node = entry.node
         assert node is not None and node.entry is entry
+        if self.on_evict is not None:
+            self.on_evict(entry)
         node.entry = None
         entry.node = None
         entry.payload = None
