@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # GPU stall benchmark: benchmarks/prefill_stall.py on MLX's CUDA backend, on a Qwen3.5-2B-shaped model with
 # random bf16 weights (benchmarks/make_qwen35_2b.py): 4 streams decoding while a 16K-token prompt prefills, the
-# plugin at a baseline commit ("before", from .device-b/base) against this checkout ("after").
+# plugin at a baseline commit ("before", from .device-b/base) against this checkout ("after"), each server
+# given STALL_ROUNDS long prompts in a row (default 3; the first pays the one-off CUDA compiles at its row's
+# join, the later ones show the steady state: "later_rounds" in the JSON). Then STALL_PREP_PROBES rounds
+# (default 10) alternating between the servers of a 16K prompt answered 400 after its preparation (no prefill):
+# what the request's template, tokenization and snapshot positions cost the streams ("prep_probes").
 #
 # Staging on the workstation as gpu_serve.sh describes (MLX halves, host wheels, the plugin's wheel), plus the
 # baseline's package:  mkdir -p .device-b/base && git archive <base-commit> vllm_mlx_mtp_routing | tar -x -C .device-b/base
 # then two device calls back to back:
 #   call 1, carry [.device-a]:  cp .device-a/mlx.part.aa /root/
 #   call 2, carry [.device-b]:  BENCH_COMMIT=<commit> bash benchmarks/gpu_stall.sh
-# Environment: STALL_PROMPT_TOKENS (default 16384), SITE (default /root/site), OUT (default $OUT or benchmarks/results).
+# Environment: STALL_PROMPT_TOKENS (default 16384), STALL_ROUNDS, STALL_PREP_PROBES, SITE (default /root/site),
+# OUT (default $OUT or benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -23,4 +28,5 @@ base=()
 [ -d .device-b/base/vllm_mlx_mtp_routing ] && base=(--base "$REPO/.device-b/base")
 mkdir -p "$OUT"
 $PY benchmarks/prefill_stall.py --model "$MODEL_2B" "${base[@]}" --prompt-tokens "${STALL_PROMPT_TOKENS:-16384}" \
+    --rounds "${STALL_ROUNDS:-3}" --prep-probes "${STALL_PREP_PROBES:-10}" \
     --command "$PY $REPO/benchmarks/vllm_mlx_launcher.py --site $SITE" --out "$OUT/prefill_stall-gpu.json"

@@ -10,6 +10,11 @@ from another checkout (`--base DIR`, put first on PYTHONPATH), "after" this chec
 same model and flags. Target (issue 13): longest gap <= 3x the median decode gap plus one step's
 prefill budget; /health under 1 s.
 
+``--prep-probes N``: then, with both servers up, N rounds alternating between them: the streams run while a
+long prompt arrives with max_tokens past the model's context, so the server prepares it (chat template,
+tokenization, snapshot positions) and answers 400 before any prefill; the streams' longest gap overlapping
+the request is what the preparation costs them (``prep_probes`` in the JSON). ``--skip-prefill``: probes only.
+
   python benchmarks/prefill_stall.py --base /path/to/baseline-checkout
   python benchmarks/prefill_stall.py --model /root/qwen35-2b --prompt-tokens 16384   # on a GPU
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -52,8 +58,8 @@ def long_prompt(model: Path, tokens: int) -> str:
 
 
 async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float,
-                  extra: dict | None = None) -> dict:
-    """``extra``: fields added to the long prompt's request body (e.g. ``specprefill``)."""
+                  extra: dict | None = None, max_tokens: int = 1, expect: int = 200) -> dict:
+    """``extra``: fields added to the long prompt's request body (e.g. ``specprefill``); ``expect``: its status."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     stop = asyncio.Event()
 
@@ -86,14 +92,14 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         poller = asyncio.create_task(poll_health(client))
         t0 = time.perf_counter()
         response = await client.post("/v1/chat/completions", json={
-            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0, **(extra or {})})
+            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, **(extra or {})})
         t1 = time.perf_counter()
         stop.set()
         await poller
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    if response.status_code != 200:
+    if response.status_code != expect:
         raise RuntimeError(f"long prompt: HTTP {response.status_code}: {response.text[:300]}")
     before = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b < t0]
     # a gap counts for the window when it ends inside it (the token that had to wait for the prefill)
@@ -101,18 +107,55 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
     # when the worst gaps ended, from the long prompt's send: early = admission/first chunk, late = the row's join
     worst = sorted(((b - a, b - t0) for arr in arrivals for a, b in zip(arr, arr[1:]) if t0 <= b <= t1 + 0.5), reverse=True)
     starved = [t1 - arr[-1] for arr in arrivals if arr and arr[-1] < t1]  # streams with no token after a stall
+    overlapping = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b > t0 and a < t1]
     lat = [d for tic, d in health if t0 <= tic <= t1]
     return {
-        "prompt_tokens": response.json()["usage"]["prompt_tokens"],
+        "prompt_tokens": response.json()["usage"]["prompt_tokens"] if expect == 200 else None,
         "ttft_s": round(t1 - t0, 3),
         "decode_gap_median_s": round(statistics.median(before), 4),
         "longest_gap_s": round(max(during + starved), 4),
+        "window_gap_s": round(max(overlapping + starved), 4),  # gaps overlapping the request, from its send to its answer
+        "gap_p99_s": round(sorted(during)[int(0.99 * (len(during) - 1))], 4) if during else None,
         "gaps_during_prefill": len(during),
         "health_max_s": round(max(lat), 4) if lat else None,
         "health_median_s": round(statistics.median(lat), 4) if lat else None,
         "health_polls": len(lat),
         "worst_gaps_s_at_s": [(round(g, 3), round(at, 3)) for g, at in worst[:4]],
     }
+
+
+def model_context(model: Path) -> int:
+    """The context the plugin reads (text_config first); the probes need one, or a probe would generate."""
+    config = json.loads((model / "config.json").read_text())
+    for source in (config.get("text_config") or {}, config):
+        if isinstance(source.get("max_position_embeddings"), int):
+            return source["max_position_embeddings"]
+    raise SystemExit(f"{model}: no max_position_embeddings in config.json")
+
+
+def prep_probes(servers: dict, prompt: str, args: argparse.Namespace, context: int) -> dict:
+    """Rounds alternating between the servers: a long prompt answered 400 after its preparation, no prefill; and
+    the same with a one-line prompt (control: the longest gap of a request that costs the loop nothing)."""
+    runs: dict[str, list[dict]] = {name: [] for name in servers}
+    controls: dict[str, list[dict]] = {name: [] for name in servers}
+    for k in range(args.prep_probes):
+        for name, server in servers.items():
+            for text, into in ((f"probe {k} {name}: {prompt}", runs), (f"probe {k} {name}: one line", controls)):
+                into[name].append(asyncio.run(measure(server.url, server.model, text, args.streams, args.warm_tokens,
+                                                      args.timeout, max_tokens=context, expect=400)))
+    out = {}
+    for name, rs in runs.items():
+        gaps, decode = [r["window_gap_s"] for r in rs], [r["decode_gap_median_s"] for r in rs]
+        control = [r["window_gap_s"] for r in controls[name]]
+        health = [r["health_max_s"] for r in rs if r["health_max_s"] is not None]
+        out[name] = {
+            "probes": len(rs), "answer_s_median": round(statistics.median(r["ttft_s"] for r in rs), 4),
+            "decode_gap_median_s": round(statistics.median(decode), 4),
+            "window_gap_median_s": round(statistics.median(gaps), 4), "window_gap_max_s": round(max(gaps), 4),
+            "control_window_gap_median_s": round(statistics.median(control), 4),
+            "health_max_s": round(max(health), 4) if health else None, "runs": rs,
+        }
+    return out
 
 
 def plugin_prefill_stats(url: str) -> dict | None:
@@ -131,6 +174,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--command", default="", help="replaces the vllm-mlx console script (e.g. a launcher)")
     ap.add_argument("--rounds", type=int, default=1, help="long prompts per server, each new to its prefix cache")
+    ap.add_argument("--prep-probes", type=int, default=0, help="preparation-only rounds per server, alternating (see above)")
+    ap.add_argument("--skip-prefill", action="store_true", help="only the preparation probes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -138,8 +183,11 @@ def main() -> None:
 
     device = str(mx.default_device())
     prompt = long_prompt(args.model, args.prompt_tokens)
+    context = model_context(args.model) if args.prep_probes else 0  # a probe asks for this many tokens
     flags = ["--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", str(args.streams + 2),
              "--prefill-step-size", str(args.prefill_step_size), *args.flags.split()]
+    if context > 32768:  # the host's --max-request-tokens default
+        flags += ["--max-request-tokens", str(context)]
     command = args.command.split() if args.command else None
     variants = ([("before", {"PYTHONPATH": os.pathsep.join(filter(None, [str(args.base), os.environ.get("PYTHONPATH", "")]))})]
                 if args.base else []) + [("after", {})]
@@ -147,10 +195,15 @@ def main() -> None:
                      "streams": args.streams, "commit": os.environ.get("BENCH_COMMIT", "")}
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "prefill_stall_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    for name, env in variants:
-        with serve(args.model, *flags, log_dir=log_dir, env=env, command=command, startup_timeout=args.timeout) as server:
+    with contextlib.ExitStack() as stack:  # the servers are up together; one at a time is measured
+        servers = {name: stack.enter_context(serve(args.model, *flags, log_dir=log_dir, env=env, command=command,
+                                                   startup_timeout=args.timeout)) for name, env in variants}
+        for server in servers.values():
             httpx.post(f"{server.url}/v1/chat/completions", timeout=args.timeout, json={
                 "model": server.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
+        for name, server in servers.items():
+            if args.skip_prefill:
+                break
             rounds = [asyncio.run(measure(server.url, server.model, f"round {k}: {prompt}", args.streams, args.warm_tokens,
                                           args.timeout)) for k in range(args.rounds)]
             r = rounds[0]
@@ -162,6 +215,9 @@ def main() -> None:
             r["gap_over_decode"] = round(r["longest_gap_s"] / r["decode_gap_median_s"], 1)
             results[name] = r
             print(name, json.dumps(r), flush=True)
+        if args.prep_probes:
+            results["prep_probes"] = prep_probes(servers, prompt, args, context)
+            print("prep_probes", json.dumps(results["prep_probes"]), flush=True)
     kind = "gpu" if mx.default_device() == mx.gpu else "cpu"
     out = args.out or REPO / "benchmarks" / "results" / f"prefill_stall-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,24 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 
 # Set before any test module imports transformers/mlx_vlm: nothing may reach the hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from vllm_mlx_mtp_routing.testing.server import Server, serve
 from vllm_mlx_mtp_routing.testing.tiny_model import tiny_model_dir
+
+# Modules that take the same server from `shared_server` are one work unit, so it starts once.
+SHARED_SERVER_UNITS = {
+    "test_routing_e2e.py": "stock-fp32-server", "test_server_bridge_e2e.py": "stock-fp32-server",
+    "test_mtp_e2e.py": "trained-plain-server", "test_logits_processing_e2e.py": "trained-plain-server",
+}
 
 
 # `make test` runs the suite on two workers (pytest-xdist). A module runs on one worker, so its module-scoped servers
 # start once; modules that start a server per test (or per cell) are split further so both workers share them.
 def _work_unit(nodeid: str) -> str:
     module, _, test = nodeid.partition("::")
+    if (unit := SHARED_SERVER_UNITS.get(module.rsplit("/", 1)[-1])) is not None:
+        return unit
     if module.endswith("test_checkpoint_layouts_e2e.py"):  # per precision: its plain server is started once
         return f"{module}:{test.rstrip(']').rsplit('-', 1)[-1]}"
     if module.endswith("test_prefix_cache_e2e.py"):
@@ -37,6 +47,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     config.option.loadscopereorder = False  # collection order: the slow server modules start early
     return ByWorkUnit(config, log)
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
+    """`get(model, *flags) -> Server`: one server per (model, flags) for the whole session (a start-up is ~2 s of
+    CPU), for tests that only read from it or count by deltas. Its modules go in SHARED_SERVER_UNITS."""
+    servers: dict[tuple[str, tuple[str, ...]], Server] = {}
+    with contextlib.ExitStack() as stack:
+        def get(model: Path, *flags: str) -> Server:
+            key = (str(model), flags)
+            if key not in servers:
+                servers[key] = stack.enter_context(serve(model, *flags, log_dir=tmp_path_factory.mktemp("shared-server")))
+            return servers[key]
+
+        yield get
 
 
 @pytest.fixture(scope="session")
@@ -101,3 +126,4 @@ def tiny_draft_dir(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("draft") / "tiny-draft"
     build_tiny_qwen35_vlm(out, num_layers=2, full_attention_interval=2, mtp_placement="none", tokenizer_from=tiny_vlm_fp32, seed=5)
     return out
+

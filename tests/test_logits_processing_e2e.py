@@ -9,7 +9,7 @@ output it gives without MTP, alone and in a batch of 4. Nothing falls back to th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,14 +167,14 @@ def _all(server: Server) -> dict:
 
 
 @pytest.mark.skipif(not TRAINED.is_dir(), reason="the trained tiny model is not in the checkout")
-def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(tmp_path: Path) -> None:
+def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(tmp_path: Path, shared_server: Callable[..., Server]) -> None:
     with serve(TRAINED, *FLAGS, "--enable-mtp", "--mtp-schedule", "always", log_dir=tmp_path) as server:
         with_mtp = _all(server)
         status = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]
         assert routing(server)["fallback"] == 0
-    with serve(TRAINED, *FLAGS, log_dir=tmp_path) as server:
-        without = _all(server)
-        assert routing(server)["fallback"] == 0
+    server = shared_server(TRAINED, *FLAGS)  # test_mtp_e2e's server without MTP too
+    without = _all(server)
+    assert routing(server)["fallback"] == 0
     assert with_mtp == without
     alone = with_mtp["alone"]
     for name in ("logit_bias", "presence", "frequency", "repetition", "thinking"):

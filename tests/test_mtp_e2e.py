@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,8 @@ from vllm_mlx_mtp_routing.testing.server import Server, serve
 pytestmark = pytest.mark.server
 
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen35-trained"
+# test_logits_processing_e2e's flags: its server without MTP is this module's too (shared_server)
+FLAGS = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "32")
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv=None):\n    parser = ", "class Stack:\n    def __init__(self):"]
 
 
@@ -23,9 +26,8 @@ def greedy(server: Server) -> list[str]:
     return outs
 
 
-def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path) -> None:
-    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm")
-    with serve(TRAINED, *flags, "--enable-mtp", log_dir=tmp_path) as server:
+def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path, shared_server: Callable[..., Server]) -> None:
+    with serve(TRAINED, *FLAGS, "--enable-mtp", log_dir=tmp_path) as server:
         with_mtp = greedy(server)
         status = httpx.get(f"{server.url}/v1/status").json()
         mtp = status["plugins"]["mtp-routing"]["mtp"]
@@ -33,14 +35,14 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path) -> None
         assert status["mtp"]["path"] == "text" and status["mtp"]["drafted"] == mtp["drafted"]
     # every step drafting, and the head over only the prompts' last 4 positions: the prefill's first
     # chunk runs without it, the head starts at a later position (and must keep the output exact)
-    with serve(TRAINED, *flags, "--enable-mtp", "--mtp-schedule", "always", "--mtp-prompt-pairs", "4",
+    with serve(TRAINED, *FLAGS, "--enable-mtp", "--mtp-schedule", "always", "--mtp-prompt-pairs", "4",
                log_dir=tmp_path) as server:
         always = greedy(server)
         fixed = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
         assert "head over the prompt's last 4 positions" in server.log()
-    with serve(TRAINED, *flags, log_dir=tmp_path) as server:
-        without = greedy(server)
-        assert httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"] == {"enabled": False}
+    server = shared_server(TRAINED, *FLAGS)
+    without = greedy(server)
+    assert httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"] == {"enabled": False}
     assert with_mtp == without == always
     assert fixed["adaptive"] is False and fixed["steps_with_mtp"] > fixed["steps_without_mtp"]
     assert fixed["acceptance_rate"] > 0.5  # the trained head (0.87 held-out) really drafts

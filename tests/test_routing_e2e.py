@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anthropic
@@ -38,9 +38,8 @@ def plugin_server(tiny_vlm_fp32: Path, logs: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def host_server(tiny_vlm_fp32: Path, logs: Path) -> Iterator[Server]:
-    with serve(tiny_vlm_fp32, "--continuous-batching", "--mllm", log_dir=logs) as server:
-        yield server
+def host_server(tiny_vlm_fp32: Path, shared_server: Callable[..., Server]) -> Server:
+    return shared_server(tiny_vlm_fp32, "--continuous-batching", "--mllm")  # the stock host, as in test_server_bridge_e2e
 
 
 def chat_text(server: Server, messages: list[dict], max_tokens: int = 12) -> str:

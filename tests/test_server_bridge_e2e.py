@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -75,12 +75,12 @@ def test_plugin_routes_sit_behind_the_api_key(plugin_server: Server) -> None:
     assert httpx.get(f"{plugin_server.url}/v1/status").status_code == 401
 
 
-def test_without_plugins_runs_as_stock(tiny_vlm_bf16: Path, tmp_path: Path) -> None:
-    with serve(tiny_vlm_bf16, "--continuous-batching", "--mllm", log_dir=tmp_path) as server:
-        assert httpx.get(f"{server.url}/v1/plugins").status_code == 404
-        assert "plugins" not in httpx.get(f"{server.url}/v1/status").json()
-        out = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).chat.completions.create(
-            model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
-        )
-        assert out.usage is not None and out.usage.completion_tokens > 0
-        assert "Plugins loaded" not in server.log()
+def test_without_plugins_runs_as_stock(tiny_vlm_fp32: Path, shared_server: Callable[..., Server]) -> None:
+    server = shared_server(tiny_vlm_fp32, "--continuous-batching", "--mllm")  # the stock host, as in test_routing_e2e
+    assert httpx.get(f"{server.url}/v1/plugins").status_code == 404
+    assert "plugins" not in httpx.get(f"{server.url}/v1/status").json()
+    out = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert out.usage is not None and out.usage.completion_tokens > 0
+    assert "Plugins loaded" not in server.log()

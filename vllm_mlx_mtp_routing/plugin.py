@@ -243,8 +243,10 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
         router.admission.cache_bytes = lambda: prefix_cache.nbytes
     from .host import logprobs_response
+    from .prompt_preparation import PromptPreparer
 
     logprobs_response.install()
+    router.prompts = PromptPreparer.create(info.tokenizer)
     return router.start_text_path(text_engine)
 
 

@@ -4,6 +4,7 @@ continuous batch, anything with an image, video or audio part to the host's mlx-
 Both paths step on the event-loop thread, where the host's MLLM scheduler already steps: MLX work
 never runs on two threads at once. Fairness: each scheduler runs one step, then yields the loop, so
 under mixed load text and media steps alternate and neither path waits for the other to drain.
+A text prompt's template and tokenization (no MLX work) run on a worker thread (prompt_preparation).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .host import logprobs_response as host_logprobs
 from .host import output_text as host_output
 from .host import usage as host_usage
 from .normalize import normalize_messages
+from .prompt_preparation import prepare_chat, prepare_raw
 from .request_validation import fit_to_context
 from .specprefill.pipeline import OUTCOME_REASONS, outcome
 from .specprefill.settings import RequestChoice
@@ -133,7 +135,7 @@ class RoutingEngine(EngineDecorator):
 
     _own_attrs = frozenset({
         "wrapped", "settings", "text_engine", "tokenizer_for_text", "routes", "disabled_reason", "admission",
-        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes", "fallbacks",
+        "tokens_per_media_item", "mtp_decode", "context_tokens", "prefill_budget", "warm_prefixes", "fallbacks", "prompts",
     })
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
@@ -150,6 +152,7 @@ class RoutingEngine(EngineDecorator):
         self.mtp_decode: Any = None  # the text path's MTP decode strategy, when MTP is on
         self.prefill_budget: Any = None  # text_engine.prefill_budget.PrefillBudget, once calibrated
         self.warm_prefixes: frozenset[str] = frozenset()  # --warm-prompts prefixes: their snapshots are system prefixes
+        self.prompts: Any = None  # a prompt_preparation.PromptPreparer once the model is loaded: text prompts off the loop
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info(
                 "MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings), so the host's "
@@ -171,6 +174,8 @@ class RoutingEngine(EngineDecorator):
     async def stop(self) -> None:
         if self.text_engine is not None:
             await self.text_engine.stop()
+        if self.prompts is not None:
+            self.prompts.close()
         await self.wrapped.stop()
 
     # -- routing -----------------------------------------------------------------------------
@@ -207,18 +212,16 @@ class RoutingEngine(EngineDecorator):
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
 
-    def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> tuple[list[int], list[tuple[int, str]]]:
-        """The prompt's tokens and, with a prefix cache, where it is worth a snapshot."""
-        prompt = self._render(messages, options)
-        ids = self._encode(prompt)
-        if getattr(self.text_engine, "prefix_cache", None) is None:
-            return ids, []
-        from .prefix_cache.boundaries import snapshot_positions
+    async def _text_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> tuple[list[int], list[tuple[int, str]]]:
+        """The prompt's tokens and, with a prefix cache, where it is worth a snapshot (off the event loop)."""
+        render = lambda m: self._render(m, options)  # noqa: E731
+        positions = getattr(self.text_engine, "prefix_cache", None) is not None
+        if self.prompts is None:
+            return prepare_chat(self.tokenizer_for_text, render, messages, positions=positions)
+        return await self.prompts.chat(render, messages, positions=positions)
 
-        return ids, snapshot_positions(lambda m: self._render(m, options), self._encode, messages, prompt, ids)
-
-    def _raw_prompt(self, prompt: str) -> tuple[list[int], list[tuple[int, str]]]:
-        ids = self._encode(prompt)
+    async def _raw_prompt(self, prompt: str) -> tuple[list[int], list[tuple[int, str]]]:
+        ids = prepare_raw(self.tokenizer_for_text, prompt) if self.prompts is None else await self.prompts.raw(prompt)
         # The host's --warm-prompts start-up sends each system prefix as a raw prompt.
         return ids, [(len(ids) - 1, "system")] if prompt in self.warm_prefixes else []
 
@@ -345,7 +348,7 @@ class RoutingEngine(EngineDecorator):
             call = (lambda: stop_strings.result(self.wrapped.stream_chat(messages=messages, **kwargs), stops)) if stops else (
                 lambda: self.wrapped.chat(messages=messages, **kwargs))
             return await self._media_result(call, tokens, kwargs, priority)
-        ids, marks = self._text_prompt(messages, kwargs)
+        ids, marks = await self._text_prompt(messages, kwargs)
         return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Any]:
@@ -357,7 +360,7 @@ class RoutingEngine(EngineDecorator):
             async for out in self._media_stream(stream, tokens, kwargs, priority):
                 yield out
             return
-        ids, marks = self._text_prompt(messages, kwargs)
+        ids, marks = await self._text_prompt(messages, kwargs)
         async for out in self._text_stream(ids, {**kwargs, **plugin}, priority, marks):
             yield to_generation_output(out, streaming=True)
 
@@ -369,7 +372,7 @@ class RoutingEngine(EngineDecorator):
             call = (lambda: stop_strings.result(self.wrapped.stream_generate(prompt=prompt, **kwargs), stops)) if stops else (
                 lambda: self.wrapped.generate(prompt=prompt, **kwargs))
             return await self._media_result(call, tokens, kwargs, priority)
-        ids, marks = self._raw_prompt(prompt)
+        ids, marks = await self._raw_prompt(prompt)
         return await self._text_result(ids, {**kwargs, **plugin}, priority, marks)
 
     async def stream_generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[Any]:
@@ -380,7 +383,7 @@ class RoutingEngine(EngineDecorator):
             async for out in self._media_stream(stream, tokens, kwargs, priority):
                 yield out
             return
-        ids, marks = self._raw_prompt(prompt)
+        ids, marks = await self._raw_prompt(prompt)
         async for out in self._text_stream(ids, {**kwargs, **plugin}, priority, marks):
             yield to_generation_output(out, streaming=True)
 

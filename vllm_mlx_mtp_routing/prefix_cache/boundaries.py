@@ -14,6 +14,7 @@
 A rendering's common prefix is turned into a token position by encoding it and keeping only the
 tokens that the real prompt shares (BPE may merge across the cut; the position is always a true
 prefix of the prompt's own tokens). The end of the prompt needs no rendering (the engine adds it).
+``shared_tokens`` (``SharedTokens``) gives that count without encoding the whole prefix again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .shared_tokens import common_prefix_len
+
 logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
 
 _PROBES = ("Alpha", "Bravo")  # differ at their first character (see vllm_mlx.prompt_warmup)
@@ -29,21 +32,11 @@ MIN_POSITION = 16  # a shorter prefix is not worth a snapshot's fixed gated-delt
 
 
 def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
+    return a[: common_prefix_len(a, b)]
 
 
 def common_tokens(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return common_prefix_len(a, b)
 
 
 def _probe_prefix(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], index: int) -> str | None:
@@ -62,28 +55,31 @@ def snapshot_positions(
     messages: list[dict[str, Any]],
     prompt: str,
     prompt_ids: Sequence[int],
+    shared_tokens: Callable[[str], int] | None = None,
 ) -> list[tuple[int, str]]:
     """[(position, kind)] for a chat's prompt tokens; ``render`` applies the request's template
-    (tools and template options included) to a message list. Errors mean no positions."""
+    (tools and template options included) to a message list; ``shared_tokens(text)``, when given,
+    equals ``common_tokens(encode(text), prompt_ids)``. Errors mean no positions."""
     out: list[tuple[int, str]] = []
+    shared = shared_tokens or (lambda text: common_tokens(encode(text), prompt_ids))
     try:
         system = [m for m in messages if m.get("role") == "system"]
         if len(messages) > len(system):  # a prompt that is all system has only its end to keep
             prefix = _probe_prefix(render, [*system, {"role": "user", "content": ""}], len(system))
             if prefix is not None:
-                out.append((common_tokens(encode(prefix), prompt_ids), "system"))
+                out.append((shared(prefix), "system"))
         last = max((i for i, m in enumerate(messages) if m.get("role") in ("user", "tool")), default=None)
         if last is not None and last > len(system):
             prefix = _probe_prefix(render, messages, last)
             if prefix is not None:
-                out.append((common_tokens(encode(prefix), prompt_ids), "message"))
+                out.append((shared(prefix), "message"))
         # The next turn adds a reply and then a user message or a tool result; Qwen3.5 renders the
         # replies since the last user message with their think blocks until a user message follows.
         for follow in ("user", "tool"):
             nxt = render([*messages, {"role": "assistant", "content": _PROBES[0]}, {"role": follow, "content": _PROBES[1]}])
             prefix = _common_prefix(prompt, nxt)
             if prefix and prefix != prompt:
-                out.append((common_tokens(encode(prefix), prompt_ids), "prompt"))
+                out.append((shared(prefix), "prompt"))
     except Exception as exc:  # a template that cannot render a probe: no mid-prompt snapshots
         logger.debug("prefix cache: no snapshot positions (%s: %s)", type(exc).__name__, exc)
         return []
