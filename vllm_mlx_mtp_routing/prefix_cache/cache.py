@@ -104,10 +104,9 @@ class PrefixCache:
 
     def _whole(self, entry: Any) -> snapshot.Snapshot:
         """An entry's snapshot with its bases folded in (KV from position 0)."""
-        chain = entry.chain()
-        if len(chain) == 1 and all(not isinstance(p, snapshot._KV) or p.start == 0 for p in entry.payload.layers):
+        if entry.base is None:  # taken without a base: its KV already starts at position 0
             return entry.payload
-        state = snapshot.restore([e.payload for e in chain], self.model.make_cache(), True)
+        state = snapshot.restore([e.payload for e in entry.chain()], self.model.make_cache(), True)
         return snapshot.take(state, None)
 
     def _spill(self, entry: Any) -> None:
@@ -145,7 +144,7 @@ class PrefixCache:
         if entry is None:
             logger.debug("prefix cache: a %d-token %s snapshot (%d bytes) does not fit", length, kind, snap.nbytes)
             if self.disk is not None and not self.disk.has(tokens, length):
-                self.disk.save(tokens, kind, snapshot.take(state, None))
+                self.disk.save(tokens, kind, snap if base is None else snapshot.take(state, None))
             return False
         self.saved += 1
         if self.disk is not None and kind == "system" and not self.disk.has(tokens, length):
