@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Bounded soak through the real server: many requests, random hang-ups, bad inputs, images, cancels.
 
-`vllm-mlx serve --plugins mtp-routing` on loopback with a small `--max-num-seqs` and queue, and N
+`vllm-mlx serve --plugins mtp-routing` on loopback with a small `--max-num-seqs`, queue and prefix-cache budget, and N
 requests from C concurrent clients drawn from a seeded mix: complete text streams, streams the
 client hangs up on after a few chunks, non-streamed text, Anthropic messages, image requests
 (streamed, some hung up on), out-of-range parameters, broken inline images, over-context requests,
@@ -142,8 +142,11 @@ def main() -> int:
     ap.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed relative RSS growth, Q2 to Q4")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    # The prefix cache holds up to --cache-memory-mb of snapshots by design (default 20% of RAM: GBs, far more
+    # than a soak fills), so RSS would grow with it: a small budget reaches its bound early, the soak churns it
+    # (evictions), and RSS staying flat then says nothing else accumulates.
     flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4",
-             "--scheduler-max-queue", "8", "--scheduler-queue-timeout", "60")
+             "--scheduler-max-queue", "8", "--scheduler-queue-timeout", "60", "--cache-memory-mb", "16")
     log_dir = Path("/tmp/soak_logs")
     log_dir.mkdir(exist_ok=True)
     with serve(args.model, *flags, log_dir=log_dir) as server:
@@ -155,6 +158,7 @@ def main() -> int:
             time.sleep(0.1)
             final = counters(server)
         health = httpx.get(f"{server.url}/health", timeout=10).status_code
+        cache = httpx.get(f"{server.url}/v1/status", timeout=30).json()["plugins"]["mtp-routing"]["prefix_cache"]
         log = server.log()
     statuses = Counter(f"{k}:{s}" for k, s, _ in results)
     unexpected = [(k, s, d) for k, s, d in results if s not in EXPECTED[k]]
@@ -169,6 +173,7 @@ def main() -> int:
         "health": health, "rss_mib_q2": round(q2 / 2**20, 1), "rss_mib_q4": round(q4 / 2**20, 1),
         "rss_growth": round(growth, 4), "rss_samples_mib": [round(m / 2**20, 1) for m in rss],
         "tracebacks_in_log": log.count("Traceback"),
+        "prefix_cache": {k: cache.get(k) for k in ("bytes", "budget_bytes", "entries", "evictions", "hits")},
     }
     ok = (len(results) == args.requests and not unexpected and not any(final.values()) and health == 200
           and growth <= args.rss_tolerance)
