@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
+from vllm_mlx_mtp_routing.testing import launcher
+from vllm_mlx_mtp_routing.testing.launcher import VLLM_MLX
 
 
 def make_plugin(root: Path, name: str, module: str, source: str) -> Path:
@@ -31,7 +32,7 @@ def run_cli(*args: str, path: Path | None = None, env: dict[str, str] | None = N
     full_env.pop("VLLM_MLX_PLUGINS", None) if env is None or "VLLM_MLX_PLUGINS" not in env else None
     if path is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), full_env.get("PYTHONPATH", "")]))
-    return subprocess.run([VLLM_MLX, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    return launcher.run([VLLM_MLX, *args], env=full_env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

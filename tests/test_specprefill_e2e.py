@@ -5,14 +5,15 @@ and start-up refusals (exit 2 naming the flag) for a draft whose tokenizer diffe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 
+from vllm_mlx_mtp_routing.testing import launcher
 from vllm_mlx_mtp_routing.testing.server import VLLM_MLX, serve
 
 BASE = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "64")
@@ -63,8 +64,7 @@ def test_server_sparse_prefills_long_prompts_only_as_asked(tiny_vlm_fp32, tiny_d
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([VLLM_MLX, *args], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    return launcher.run([VLLM_MLX, *args], timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_vlm_fp32, tiny_draft_dir, tmp_path):

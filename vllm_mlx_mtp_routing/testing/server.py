@@ -6,7 +6,6 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +13,9 @@ from pathlib import Path
 
 import httpx
 
-VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
+from . import launcher
+
+VLLM_MLX = launcher.VLLM_MLX
 
 
 def free_port() -> int:
@@ -27,7 +28,7 @@ def free_port() -> int:
 class Server:
     url: str
     model: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | launcher.ForkedProcess
     log_path: Path
 
     def log(self) -> str:
@@ -76,7 +77,7 @@ def run_server(
     """Any HTTP server process on 127.0.0.1:``port``: ready once ``ready_path`` answers 200 (and, if given, its
     log has ``ready_line``), stopped on exit."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        proc = launcher.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(url=f"http://127.0.0.1:{port}", model=model, proc=proc, log_path=log_path)
     try:
         deadline = time.monotonic() + startup_timeout

@@ -1,0 +1,380 @@
+"""A fork server for the test suite's ``vllm-mlx`` runs: the heavy third-party imports are paid once per worker.
+
+Every server or CLI run of the suite used to spend ~2 s of CPU importing transformers, mlx-lm, mlx-vlm and the
+host before doing anything of its own. Here one long-lived process imports them once; each run is a fork of it
+that takes its argv, environment, working directory and stdio from the caller and then runs the ``vllm-mlx``
+console script's own entry point, so the test still meets a real host process: real HTTP, real signals, real
+exit codes and logs. Like multiprocessing's forkserver with preloads.
+
+What the fork server imports must not depend on what differs between runs: the plugin bridge, ``vllm_mlx.cli``
+and the plugins themselves load in the child (they read argv and ``VLLM_MLX_PLUGINS``). A test plugin's folder on
+``PYTHONPATH`` joins the child's ``sys.path`` as at interpreter start; a run whose environment differs in anything
+else, or whose ``PYTHONPATH`` shadows a module the fork server imported, execs the command afresh in the child.
+No MLX operation runs in the fork server, so no MLX thread exists when it forks. Linux only (fork after macOS
+frameworks load is unsafe); elsewhere, and with ``VLLM_MLX_TEST_LAUNCHER=0``, every run is a plain subprocess.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import locale
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
+DISABLE_VAR = "VLLM_MLX_TEST_LAUNCHER"
+# Read at run time only (by the bridge, the child's own stdio set-up; pytest's per-test name by no one), so a
+# run may set them.
+RUN_TIME_VARS = frozenset({"VLLM_MLX_PLUGINS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"})
+# Third-party only, and none of them reads argv or VLLM_MLX_PLUGINS at import.
+PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.utils", "mlx_vlm", "vllm_mlx.server")
+
+
+# ---- the fork server ---------------------------------------------------------------------------------------------
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("client went away")
+        data += chunk
+    return data
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    (size,) = struct.unpack("!Q", _recv_exact(conn, 8))
+    return json.loads(_recv_exact(conn, size)), fds
+
+
+def _stdio(fd: int, unbuffered: bool, line_buffering: bool, errors: str) -> IO[str]:
+    # As the interpreter builds sys.stdout/sys.stderr at start-up for this environment.
+    raw = io.FileIO(fd, "w", closefd=False)
+    if unbuffered:
+        return io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=line_buffering)
+
+
+def _changed_vars(env: Mapping[str, str], envs: tuple[Mapping[str, str], Mapping[str, str]]) -> set[str]:
+    # The fork server's environment before and after its imports: a variable that an import sets itself
+    # (mlx-lm sets TRANSFORMERS_NO_ADVISORY_WARNINGS) is set the same way in a fresh interpreter.
+    before, after = envs
+    return {k for k in env.keys() | before.keys() | after.keys() if env.get(k) not in (before.get(k), after.get(k))}
+
+
+def _fresh_interpreter_needed(env: Mapping[str, str], envs: tuple[Mapping[str, str], Mapping[str, str]]) -> bool:
+    """Whether this fork would differ from a fresh interpreter run with ``env``."""
+    changed = _changed_vars(env, envs) - RUN_TIME_VARS
+    if not changed:
+        return False
+    if changed != {"PYTHONPATH"} or envs[0].get("PYTHONPATH"):
+        return True
+    # Extra import paths (a test plugin's folder) are fine unless they hold a module already imported here.
+    imported = {name.partition(".")[0] for name in sys.modules}
+    for entry in filter(None, env["PYTHONPATH"].split(os.pathsep)):
+        names = {Path(n).stem if n.endswith(".py") else n for n in os.listdir(entry)} if os.path.isdir(entry) else {"?"}
+        if names & imported or "?" in names:
+            return True
+    return False
+
+
+def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, str], Mapping[str, str]]) -> None:
+    """In the forked child: take the caller's stdio, directory, environment and argv."""
+    argv, env = list(request["argv"]), dict(request["env"])
+    afresh = _fresh_interpreter_needed(env, envs)
+    changed = sorted(_changed_vars(env, envs))
+    print(f"{os.getpid()}: {'exec' if afresh else 'fork'} {argv[1:3]} {changed}", file=sys.stderr, flush=True)  # the server's log
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    if afresh:
+        os.execve(argv[0], argv, env)  # the same process, now as the caller would have started it
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = argv
+    # As a fresh interpreter running the console script: its folder first, then PYTHONPATH.
+    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+    import importlib
+
+    importlib.invalidate_caches()
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (lives as long as the process)
+    sys.stdout = sys.__stdout__ = _stdio(1, unbuffered, os.isatty(1), "strict")
+    sys.stderr = sys.__stderr__ = _stdio(2, unbuffered, True, "backslashreplace")
+    # A fresh interpreter seeds these from the OS; the children must not share the fork server's state.
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "mlx.core" in sys.modules:
+        sys.modules["mlx.core"].random.seed(int.from_bytes(os.urandom(8), "little"))
+
+
+def serve_forks(socket_path: str) -> None:
+    """Preload, then fork one child per request; returns only in a child, ready to run the CLI."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)  # we fork on purpose
+    import importlib
+
+    before = dict(os.environ)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    envs = (before, dict(os.environ))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(16)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, ("accept",))
+    sel.register(sys.stdin, selectors.EVENT_READ, ("caller",))  # EOF: the test worker is gone
+    children: dict[int, tuple[socket.socket, int]] = {}
+    while True:
+        for key, _ in sel.select():
+            kind = key.data[0]
+            if kind == "caller":
+                for pid in children:
+                    with _ignore_gone():
+                        os.kill(pid, signal.SIGKILL)
+                for pid in children:
+                    os.waitpid(pid, 0)
+                os._exit(0)
+            if kind == "exited":
+                pid = key.data[1]
+                conn, pidfd = children.pop(pid)
+                sel.unregister(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                with _ignore_gone():
+                    conn.sendall(f"R{os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.close()
+                continue
+            conn, _ = listener.accept()
+            try:
+                request, fds = _receive(conn)
+            except (ConnectionError, ValueError, OSError):
+                conn.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                sel.close()
+                listener.close()
+                conn.close()
+                for other, pidfd in children.values():
+                    other.close()
+                    os.close(pidfd)
+                _become(request, fds, envs)
+                return
+            for fd in fds:
+                os.close(fd)
+            pidfd = os.pidfd_open(pid)
+            children[pid] = (conn, pidfd)
+            sel.register(pidfd, selectors.EVENT_READ, ("exited", pid))
+            with _ignore_gone():
+                conn.sendall(f"P{pid}\n".encode())
+
+
+class _ignore_gone:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        return kind is not None and issubclass(kind, (ProcessLookupError, BrokenPipeError, ConnectionError))
+
+
+# ---- the caller's side -------------------------------------------------------------------------------------------
+
+class ForkedProcess:
+    """The part of ``subprocess.Popen`` that the suite uses, for a child of the fork server."""
+
+    def __init__(self, conn: socket.socket, args: list[str]) -> None:
+        self.args = args
+        self._conn = conn
+        self._file = conn.makefile("rb")
+        line = self._file.readline()
+        if not line.startswith(b"P"):
+            raise RuntimeError("the fork server did not start the process")
+        self.pid = int(line[1:])
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._conn.setblocking(False)
+            try:
+                peek = self._conn.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return None
+            finally:
+                self._conn.setblocking(True)
+            self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                self._conn.recv(1, socket.MSG_PEEK)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            finally:
+                self._conn.settimeout(None)
+            self._read_status()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _read_status(self) -> None:
+        line = self._file.readline()
+        if not line.startswith(b"R"):
+            raise RuntimeError(f"the fork server lost process {self.pid}")
+        self.returncode = int(line[1:])
+        self._file.close()
+        self._conn.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with _ignore_gone():
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _env_of_fork_server() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in RUN_TIME_VARS}
+
+
+class Launcher:
+    """One fork server for this process, started on first use and stopped with this process."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="vllm-mlx-launcher-")
+        self._path = os.path.join(self._dir, "fork.sock")
+        self._env = _env_of_fork_server()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def _server(self) -> bool:
+        with self._lock:
+            return self._start()
+
+    def _start(self) -> bool:
+        if self._proc is None and not self._failed:
+            with open(os.path.join(self._dir, "fork-server.log"), "w") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, self._path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=log, env=self._env,
+                )
+            assert self._proc.stdout is not None
+            self._failed = self._proc.stdout.readline().strip() != b"ready"
+        return self._proc is not None and not self._failed and self._proc.poll() is None
+
+    def can_run(self, cmd: Sequence[str]) -> bool:
+        return bool(cmd) and cmd[0] == VLLM_MLX  # the child execs it afresh where a fork would differ
+
+    def popen(
+        self, cmd: Sequence[str], *, env: Mapping[str, str], stdout: int, stderr: int, stdin: int | None = None,
+        cwd: str | None = None,
+    ) -> ForkedProcess | None:
+        """A child of the fork server, or None where it cannot run ``cmd`` as a fresh interpreter would."""
+        if not self.can_run(cmd) or not self._server():
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self._path)
+        devnull = os.open(os.devnull, os.O_RDONLY) if stdin is None else None
+        try:
+            payload = json.dumps({"argv": list(cmd), "env": dict(env), "cwd": cwd or os.getcwd()}).encode()
+            socket.send_fds(conn, [b"!"], [stdin if devnull is None else devnull, stdout, stderr])
+            conn.sendall(struct.pack("!Q", len(payload)) + payload)
+        finally:
+            if devnull is not None:
+                os.close(devnull)
+        return ForkedProcess(conn, list(cmd))
+
+    def close(self) -> None:
+        if self._proc is not None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()  # the fork server kills what is left and exits
+            self._proc.wait(timeout=30)
+            self._proc = None
+        if not os.environ.get("KEEPLOG"):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_LAUNCHER: Launcher | None = None
+
+
+def enable() -> None:
+    """Use a fork server for this process's ``vllm-mlx`` runs (see ``popen`` and ``run``)."""
+    global _LAUNCHER
+    if _LAUNCHER is None and sys.platform == "linux" and os.environ.get(DISABLE_VAR, "1") != "0":
+        _LAUNCHER = Launcher()
+
+
+def disable() -> None:
+    global _LAUNCHER
+    if _LAUNCHER is not None:
+        _LAUNCHER.close()
+        _LAUNCHER = None
+
+
+def popen(cmd: Sequence[str], *, env: Mapping[str, str], stdout: IO[Any] | int, stderr: IO[Any] | int) -> ForkedProcess | subprocess.Popen[str]:
+    """``subprocess.Popen(cmd, stdout=..., stderr=..., env=..., text=True)``, forked where it can be."""
+    if _LAUNCHER is not None:
+        out = stdout if isinstance(stdout, int) else stdout.fileno()
+        err = out if stderr == subprocess.STDOUT else stderr if isinstance(stderr, int) else stderr.fileno()
+        proc = _LAUNCHER.popen(cmd, env=env, stdout=out, stderr=err)
+        if proc is not None:
+            return proc
+    return subprocess.Popen(list(cmd), stdout=stdout, stderr=stderr, text=True, env=dict(env))
+
+
+def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)``, forked where it can be."""
+    if _LAUNCHER is None or not _LAUNCHER.can_run(cmd):
+        return subprocess.run(list(cmd), capture_output=True, text=True, env=dict(env), timeout=timeout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = _LAUNCHER.popen(cmd, env=env, stdout=out.fileno(), stderr=err.fileno())
+        if proc is None:
+            return subprocess.run(list(cmd), capture_output=True, text=True, env=dict(env), timeout=timeout)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        texts = []
+        for f in (out, err):  # decoded as subprocess's text mode does
+            f.seek(0)
+            texts.append(f.read().decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n"))
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, texts[0], texts[1])
+
+
+if __name__ == "__main__":
+    serve_forks(sys.argv[1])
+    # Only a forked child gets here: the console script's body.
+    from vllm_mlx.cli import main
+
+    sys.argv[0] = sys.argv[0].removesuffix(".exe")
+    sys.exit(main())
