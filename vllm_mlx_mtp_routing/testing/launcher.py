@@ -39,7 +39,8 @@ DISABLE_VAR = "VLLM_MLX_TEST_LAUNCHER"
 # run may set them.
 RUN_TIME_VARS = frozenset({"VLLM_MLX_PLUGINS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"})
 # Third-party only, and none of them reads argv or VLLM_MLX_PLUGINS at import.
-PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.utils", "mlx_vlm", "vllm_mlx.server")
+PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.models.qwen3_5", "mlx_lm.utils", "mlx_vlm",
+           "vllm_mlx.server", "pluggy", "statistics")
 
 
 # ---- the fork server ---------------------------------------------------------------------------------------------
@@ -160,7 +161,8 @@ def serve_forks(socket_path: str) -> None:
                 conn, pidfd = children.pop(pid)
                 sel.unregister(pidfd)
                 os.close(pidfd)
-                _, status = os.waitpid(pid, 0)
+                _, status, usage = os.wait4(pid, 0)
+                print(f"{pid}: exit {os.waitstatus_to_exitcode(status)}, cpu {usage.ru_utime + usage.ru_stime:.2f} s", file=sys.stderr, flush=True)
                 with _ignore_gone():
                     conn.sendall(f"R{os.waitstatus_to_exitcode(status)}\n".encode())
                 conn.close()
@@ -249,7 +251,7 @@ class ForkedProcess:
         self._conn.close()
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # not yet reaped by the fork server, so the pid is still this process's
             with _ignore_gone():
                 os.kill(self.pid, sig)
 
@@ -316,10 +318,11 @@ class Launcher:
         if self._proc is not None:
             assert self._proc.stdin is not None
             self._proc.stdin.close()  # the fork server kills what is left and exits
-            self._proc.wait(timeout=30)
+            if self._proc.wait(timeout=30) != 0:
+                log = Path(self._dir, "fork-server.log").read_text(errors="replace")
+                print(f"vllm-mlx fork server exited with {self._proc.returncode}:\n{log[-4000:]}", file=sys.stderr)
             self._proc = None
-        if not os.environ.get("KEEPLOG"):
-            shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 _LAUNCHER: Launcher | None = None
