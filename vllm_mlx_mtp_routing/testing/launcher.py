@@ -16,6 +16,7 @@ frameworks load is unsafe); elsewhere, and with ``VLLM_MLX_TEST_LAUNCHER=0``, ev
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import locale
@@ -61,12 +62,12 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(_recv_exact(conn, size)), fds
 
 
-def _stdio(fd: int, unbuffered: bool, line_buffering: bool, errors: str) -> IO[str]:
+def _stdio(fd: int, unbuffered: bool, line_buffering: bool, encoding: str, errors: str) -> IO[str]:
     # As the interpreter builds sys.stdout/sys.stderr at start-up for this environment.
     raw = io.FileIO(fd, "w", closefd=False)
     if unbuffered:
-        return io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
-    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=line_buffering)
+        return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, errors=errors, line_buffering=line_buffering)
 
 
 def _changed_vars(env: Mapping[str, str], envs: tuple[Mapping[str, str], Mapping[str, str]]) -> set[str]:
@@ -96,8 +97,8 @@ def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, st
     """In the forked child: take the caller's stdio, directory, environment and argv."""
     argv, env = list(request["argv"]), dict(request["env"])
     afresh = _fresh_interpreter_needed(env, envs)
-    changed = sorted(_changed_vars(env, envs))
-    print(f"{os.getpid()}: {'exec' if afresh else 'fork'} {argv[1:3]} {changed}", file=sys.stderr, flush=True)  # the server's log
+    how, changed = "exec" if afresh else "fork", sorted(_changed_vars(env, envs))
+    print(f"{os.getpid()}: {how} {argv[1:]} (environment: {changed})", file=sys.stderr, flush=True)  # to our log
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
@@ -116,8 +117,9 @@ def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, st
     importlib.invalidate_caches()
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (lives as long as the process)
-    sys.stdout = sys.__stdout__ = _stdio(1, unbuffered, os.isatty(1), "strict")
-    sys.stderr = sys.__stderr__ = _stdio(2, unbuffered, True, "backslashreplace")
+    encoding = sys.stdout.encoding
+    sys.stdout = sys.__stdout__ = _stdio(1, unbuffered, os.isatty(1), encoding, "strict")
+    sys.stderr = sys.__stderr__ = _stdio(2, unbuffered, True, encoding, "backslashreplace")
     # A fresh interpreter seeds these from the OS; the children must not share the fork server's state.
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -151,7 +153,7 @@ def serve_forks(socket_path: str) -> None:
             kind = key.data[0]
             if kind == "caller":
                 for pid in children:
-                    with _ignore_gone():
+                    with contextlib.suppress(ProcessLookupError, ConnectionError):
                         os.kill(pid, signal.SIGKILL)
                 for pid in children:
                     os.waitpid(pid, 0)
@@ -162,9 +164,10 @@ def serve_forks(socket_path: str) -> None:
                 sel.unregister(pidfd)
                 os.close(pidfd)
                 _, status, usage = os.wait4(pid, 0)
-                print(f"{pid}: exit {os.waitstatus_to_exitcode(status)}, cpu {usage.ru_utime + usage.ru_stime:.2f} s", file=sys.stderr, flush=True)
-                with _ignore_gone():
-                    conn.sendall(f"R{os.waitstatus_to_exitcode(status)}\n".encode())
+                code = os.waitstatus_to_exitcode(status)
+                print(f"{pid}: exit {code}, CPU {usage.ru_utime + usage.ru_stime:.2f} s", file=sys.stderr, flush=True)
+                with contextlib.suppress(ConnectionError):
+                    conn.sendall(f"R{code}\n".encode())
                 conn.close()
                 continue
             conn, _ = listener.accept()
@@ -190,16 +193,8 @@ def serve_forks(socket_path: str) -> None:
             pidfd = os.pidfd_open(pid)
             children[pid] = (conn, pidfd)
             sel.register(pidfd, selectors.EVENT_READ, ("exited", pid))
-            with _ignore_gone():
+            with contextlib.suppress(ProcessLookupError, ConnectionError):
                 conn.sendall(f"P{pid}\n".encode())
-
-
-class _ignore_gone:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, (ProcessLookupError, BrokenPipeError, ConnectionError))
 
 
 # ---- the caller's side -------------------------------------------------------------------------------------------
@@ -252,7 +247,7 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # not yet reaped by the fork server, so the pid is still this process's
-            with _ignore_gone():
+            with contextlib.suppress(ProcessLookupError, ConnectionError):
                 os.kill(self.pid, sig)
 
     def terminate(self) -> None:
@@ -342,7 +337,9 @@ def disable() -> None:
         _LAUNCHER = None
 
 
-def popen(cmd: Sequence[str], *, env: Mapping[str, str], stdout: IO[Any] | int, stderr: IO[Any] | int) -> ForkedProcess | subprocess.Popen[str]:
+def popen(
+    cmd: Sequence[str], *, env: Mapping[str, str], stdout: IO[Any] | int, stderr: IO[Any] | int
+) -> ForkedProcess | subprocess.Popen[str]:
     """``subprocess.Popen(cmd, stdout=..., stderr=..., env=..., text=True)``, forked where it can be."""
     if _LAUNCHER is not None:
         out = stdout if isinstance(stdout, int) else stdout.fileno()
