@@ -61,7 +61,7 @@ def vllm_mlx_fork_server() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """`get(model, *flags) -> Server`: one server per (model, flags) for the whole session (a start-up is ~2 s of
+    """`get(model, *flags) -> Server`: one server per (model, flags) for the whole session (a start-up is ~1 s of
     CPU), for tests that only read from it or count by deltas. Its modules go in SHARED_SERVER_UNITS."""
     servers: dict[tuple[str, tuple[str, ...]], Server] = {}
     with contextlib.ExitStack() as stack:
