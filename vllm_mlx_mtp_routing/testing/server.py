@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,6 +18,12 @@ import httpx
 from . import launcher
 
 VLLM_MLX = launcher.VLLM_MLX
+
+
+@functools.cache
+def ssl_context() -> ssl.SSLContext:
+    """One for every client here: httpx builds (and loads the CA bundle into) one per client, ~30 ms of CPU."""
+    return ssl.create_default_context()
 
 
 def free_port() -> int:
@@ -35,7 +43,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, verify=ssl_context())
 
 
 @contextlib.contextmanager
@@ -81,22 +89,8 @@ def run_server(
     server = Server(url=f"http://127.0.0.1:{port}", model=model, proc=proc, log_path=log_path)
     try:
         deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                log_text = server.log()
-                if "address already in use" in log_text.lower():
-                    raise PortTaken(f"port {port} was taken:\n{log_text[-2000:]}")
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_text[-4000:]}")
-            try:
-                if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200 and (
-                    ready_line is None or ready_line in server.log()
-                ):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start in {startup_timeout}s:\n{server.log()[-4000:]}")
-            time.sleep(0.1)  # a start-up takes a few seconds: a coarse poll leaves the test waiting
+        with httpx.Client(timeout=2, verify=ssl_context()) as poll:
+            _wait_ready(server, poll, ready_path, ready_line, deadline, startup_timeout)
         yield server
     finally:
         proc.terminate()
@@ -105,6 +99,26 @@ def run_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _wait_ready(server: Server, poll: httpx.Client, ready_path: str, ready_line: str | None, deadline: float,
+                startup_timeout: float) -> None:
+    proc = server.proc
+    while True:
+        if proc.poll() is not None:
+            log_text = server.log()
+            if "address already in use" in log_text.lower():
+                raise PortTaken(f"port {server.url.rsplit(':', 1)[1]} was taken:\n{log_text[-2000:]}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_text[-4000:]}")
+        try:
+            ready = poll.get(f"{server.url}{ready_path}").status_code == 200
+            if ready and (ready_line is None or ready_line in server.log()):
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start in {startup_timeout}s:\n{server.log()[-4000:]}")
+        time.sleep(0.1)  # a start-up takes a few seconds: a coarse poll leaves the test waiting
 
 
 def png_data_url(rgb: tuple[int, int, int], size: int = 64) -> str:
