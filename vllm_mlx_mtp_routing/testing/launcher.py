@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -129,8 +130,6 @@ def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, st
 
 def serve_forks(socket_path: str) -> None:
     """Preload, then fork one child per request; returns only in a child, ready to run the CLI."""
-    import warnings
-
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)  # we fork on purpose
     import importlib
 
@@ -216,7 +215,7 @@ class ForkedProcess:
         if self.returncode is None:
             self._conn.setblocking(False)
             try:
-                peek = self._conn.recv(1, socket.MSG_PEEK)
+                self._conn.recv(1, socket.MSG_PEEK)  # the status line has come (or the fork server is gone)
             except BlockingIOError:
                 return None
             finally:
@@ -285,6 +284,9 @@ class Launcher:
                 )
             assert self._proc.stdout is not None
             self._failed = self._proc.stdout.readline().strip() != b"ready"
+            if self._failed:  # slower, not wrong: every run becomes a plain subprocess
+                log = Path(self._dir, "fork-server.log").read_text(errors="replace")
+                warnings.warn(f"the vllm-mlx fork server did not start; plain subprocesses instead:\n{log[-2000:]}")
         return self._proc is not None and not self._failed and self._proc.poll() is None
 
     def can_run(self, cmd: Sequence[str]) -> bool:
