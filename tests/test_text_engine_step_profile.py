@@ -20,12 +20,13 @@ def test_a_long_prompt_beside_a_decoding_row_shows_in_the_slowest_steps_parts(ti
         sched.step()
     slowest = sched.stats()["slowest_steps"]
     assert 1 <= len(slowest) <= 5
-    assert [s["total_s"] for s in slowest] == sorted((s["total_s"] for s in slowest), reverse=True)
+    assert [s["gap_s"] for s in slowest] == sorted((s["gap_s"] for s in slowest), reverse=True)
     steps = {s["step"] for s in slowest}
     assert len(steps) == len(slowest) < sched.steps
     for s in slowest:
         # the parts are inside the step: nothing counted twice, nothing from outside it
         assert s["prefill_s"] + s["join_s"] + s["decode_s"] <= s["total_s"] + 1e-3
+        assert abs(s["gap_s"] - s["total_s"] - s["since_previous_s"]) < 1e-3
         assert s["longest_chunk_s"] <= s["prefill_s"] + 1e-6
         assert s["prefill_tokens"] <= 16 * max(s["chunks"], 1)
     # every one of the long prompt's tokens but the last was prefilled in some step, in 16-token chunks
@@ -34,11 +35,14 @@ def test_a_long_prompt_beside_a_decoding_row_shows_in_the_slowest_steps_parts(ti
 
 def test_the_profile_keeps_a_window_and_reports_the_slowest_first():
     profile = StepProfile(window=3, top=2)
-    for step, pause in enumerate([0.03, 0.0, 0.02, 0.0, 0.01]):
+    for step, (pause, between) in enumerate([(0.03, 0.0), (0.0, 0.0), (0.02, 0.0), (0.0, 0.05), (0.01, 0.0)]):
+        time.sleep(between)  # the event loop held between steps
         record = profile.begin(step)
         record.chunk(8, pause)
         time.sleep(pause)
         profile.end()
-    # steps 0 and 1 left the 3-step window; of steps 2-4 the two slowest, slowest first
-    assert [s["step"] for s in profile.slowest()] == [2, 4]
-    assert profile.slowest()[0]["since_previous_s"] >= 0
+    # steps 0 and 1 left the 3-step window; of steps 2-4 the two longest gaps, longest first: step 3's
+    # own work was nothing, but its stream waited for the loop
+    slowest = profile.slowest()
+    assert [s["step"] for s in slowest] == [3, 2]
+    assert slowest[0]["since_previous_s"] >= 0.05 > slowest[0]["total_s"]

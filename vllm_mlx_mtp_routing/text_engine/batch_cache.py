@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from ..backbone import Captured, rollback_rows, zero_state
 from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
+from .kv_gather import gather_rows
 
 
 def _round_up(n: int, step: int) -> int:
@@ -125,11 +126,11 @@ class RaggedKVCache(BaseCache):
     @property
     def keys(self) -> mx.array | None:
         """The rows' keys as one dense [B, H, capacity, Dk] array (a copy; for inspection)."""
-        return None if self._pool_k is None else self._gather(self._pool_k, self._positions(self.capacity))
+        return None if self._pool_k is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[0]
 
     @property
     def values(self) -> mx.array | None:
-        return None if self._pool_v is None else self._gather(self._pool_v, self._positions(self.capacity))
+        return None if self._pool_v is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[1]
 
     @property
     def state(self):
@@ -246,11 +247,6 @@ class RaggedKVCache(BaseCache):
             return self._shared.get(("read", id(idx), n), lambda: mx.pad(idx, [(0, 0), (0, n - idx.shape[1])]), idx)
         return self._shared.get(("read", id(idx), n), lambda: idx[:, :n], idx)
 
-    @staticmethod
-    def _gather(pool: mx.array, idx: mx.array) -> mx.array:
-        # [H, B, n, D] -> [B, H, n, D]: each row's keys of a head stay one contiguous run
-        return pool[:, idx].transpose(1, 0, 2, 3)
-
     def _zero(self, blocks: list[int]) -> None:
         if not blocks:
             return
@@ -298,11 +294,12 @@ class RaggedKVCache(BaseCache):
         index, slots = self._index, self._slots
         idx = self._shared.get(
             ("write", id(index), id(slots), S),
-            lambda: mx.take_along_axis(index, slots[:, None] + mx.arange(S, dtype=mx.int32), axis=1).reshape(-1),
+            lambda: mx.take_along_axis(index, slots[:, None] + mx.arange(S, dtype=mx.int32), axis=1),
             index, slots,
         )
-        self._pool_k[:, idx] = keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk)
-        self._pool_v[:, idx] = values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3])
+        # [B, S] slots take [H, B, S, D] updates: the rows' keys as a transposed view, not a copy
+        self._pool_k[:, idx] = keys.transpose(1, 0, 2, 3)
+        self._pool_v[:, idx] = values.transpose(1, 0, 2, 3)
         self._set_lengths(ends)
         return self._read(self._visible(max(ends, default=0)))
 
@@ -313,8 +310,9 @@ class RaggedKVCache(BaseCache):
             # Positions past the row's blocks read whatever the pool holds there: finite (zeros or
             # keys of rows gone), and masked.
             return self._pool_k[None, :, run : run + n], self._pool_v[None, :, run : run + n]
-        idx = self._positions(n)
-        return self._gather(self._pool_k, idx), self._gather(self._pool_v, idx)
+        return self._gather(self._pool_k, self._pool_v, self._positions(n))
+
+    _gather = staticmethod(gather_rows)  # [B, H, n, D] keys and values: each row's run of a head contiguous
 
     # -- rows -----------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ them made a step long, so each step's parts are kept for a window of recent step
 are reported. MLX evaluates lazily: work queued by one part (a join's cache copies) is paid by the
 part that next evaluates it, so a part's time is what ran while it ran. ``since_previous_s`` is the
 time from the previous step's end to this one's start: the event loop's other work (HTTP, request
-preparation), or idle waiting when there was nothing to step.
+preparation), or idle waiting when there was nothing to step. Steps are ranked by ``gap_s``, the two
+together: how long a running stream waited for this step's token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class StepRecord:
     total_s: float = 0.0
     since_previous_s: float = 0.0
 
+    @property
+    def gap_s(self) -> float:
+        return self.since_previous_s + self.total_s
+
     def chunk(self, tokens: int, seconds: float) -> None:
         self.prefill_tokens += tokens
         self.chunks += 1
@@ -39,11 +44,14 @@ class StepRecord:
         self.longest_chunk_s = max(self.longest_chunk_s, seconds)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        d = {**asdict(self), "gap_s": self.gap_s}
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
 
 class StepProfile:
-    """The last ``window`` steps' records; ``slowest`` of them on demand."""
+    """The last ``window`` steps' records; the ``top`` longest gaps among them on demand. A step
+    that follows idle time (nothing to step) counts that wait too: a stream's gap only includes
+    it when the stream was running, so read ``rows`` with it."""
 
     def __init__(self, window: int = 256, top: int = 5) -> None:
         self._recent: deque[StepRecord] = deque(maxlen=window)
@@ -65,4 +73,4 @@ class StepProfile:
             self.current = None
 
     def slowest(self) -> list[dict[str, Any]]:
-        return [r.as_dict() for r in heapq.nlargest(self._top, self._recent, key=lambda r: r.total_s)]
+        return [r.as_dict() for r in heapq.nlargest(self._top, self._recent, key=lambda r: r.gap_s)]
