@@ -33,10 +33,7 @@ import mlx.nn as nn
 
 logger = logging.getLogger(__name__)
 
-# The smallest chunk, and the chunk's granularity. Where a prompt token costs about a decode step (the gated-delta
-# layers prefill token by token on a CPU) a 16-token floor made every prefill step ~16 decode steps; 4 keeps the
-# per-chunk fixed cost (~5 ms on a CPU against ~6 ms a token) from dominating.
-MIN_CHUNK = 4
+MIN_CHUNK = 16
 IDLE_STEP_S = 0.25
 # Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens (more where 24 tokens cost no more than 8, see calibrate). Where prefill is slow (a quantized model on
 # MLX's CPU backend: ~64 ms a token) larger probes cost the start-up tens of seconds.
