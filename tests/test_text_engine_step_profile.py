@@ -40,9 +40,19 @@ def test_the_profile_keeps_a_window_and_reports_the_slowest_first():
         record = profile.begin(step)
         record.chunk(8, pause)
         time.sleep(pause)
-        profile.end()
+        profile.end(streams_waiting=True)
     # steps 0 and 1 left the 3-step window; of steps 2-4 the two longest gaps, longest first: step 3's
     # own work was nothing, but its stream waited for the loop
     slowest = profile.slowest()
     assert [s["step"] for s in slowest] == [3, 2]
     assert slowest[0]["since_previous_s"] >= 0.05 > slowest[0]["total_s"]
+
+
+def test_waiting_for_work_after_the_last_stream_ended_is_nobodys_gap():
+    profile = StepProfile()
+    profile.begin(0)
+    profile.end(streams_waiting=False)  # the step finished the last decoding row
+    time.sleep(0.03)  # the engine idles until a request arrives
+    profile.begin(1)
+    profile.end(streams_waiting=True)
+    assert [s["since_previous_s"] for s in profile.slowest() if s["step"] == 1] == [0.0]

@@ -165,7 +165,7 @@ class BatchScheduler:
                 record.decode_s = time.perf_counter() - tic
                 prefill_budget.note_decode_step(self, record.decode_s)
         finally:
-            self.profile.end()
+            self.profile.end(streams_waiting=bool(self.running))
         self.steps += 1
         return outputs
 

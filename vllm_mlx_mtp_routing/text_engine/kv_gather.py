@@ -5,7 +5,8 @@ gather (``pool[:, idx]``) takes 60-130 us per call for these few-MB reads on an 
 copy: two calls per layer and step were most of the blocks' step cost at a Qwen3.5-2B shape
 (BENCHMARKS.md section 6; ``benchmarks/kv_gather_ops.py``). On MLX's CUDA backend the read is one
 copy kernel for keys and values together: a thread moves 16 bytes of one position of one head of
-each, writing the outputs contiguous, bit for bit what the gather gives. Elsewhere (CPU, Metal) MLX's gather stays.
+each, writing the outputs contiguous, bit for bit what the gather gives. Elsewhere (CPU, Metal)
+MLX's gather stays.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ them made a step long, so each step's parts are kept for a window of recent step
 are reported. MLX evaluates lazily: work queued by one part (a join's cache copies) is paid by the
 part that next evaluates it, so a part's time is what ran while it ran. ``since_previous_s`` is the
 time from the previous step's end to this one's start: the event loop's other work (HTTP, request
-preparation), or idle waiting when there was nothing to step. Steps are ranked by ``gap_s``, the two
+preparation); 0 after a step that left no row decoding. Steps are ranked by ``gap_s``, the two
 together: how long a running stream waited for this step's token.
 """
 
@@ -49,9 +49,7 @@ class StepRecord:
 
 
 class StepProfile:
-    """The last ``window`` steps' records; the ``top`` longest gaps among them on demand. A step
-    that follows idle time (nothing to step) counts that wait too: a stream's gap only includes
-    it when the stream was running, so read ``rows`` with it."""
+    """The last ``window`` steps' records; the ``top`` longest gaps among them on demand."""
 
     def __init__(self, window: int = 256, top: int = 5) -> None:
         self._recent: deque[StepRecord] = deque(maxlen=window)
@@ -65,10 +63,13 @@ class StepProfile:
         self.current = StepRecord(step, since_previous_s=self._started - self._ended if self._ended else 0.0)
         return self.current
 
-    def end(self) -> None:
+    def end(self, streams_waiting: bool) -> None:
+        """``streams_waiting``: rows still decode after this step, so the time until the next one is a
+        gap someone sees (after a step that leaves none, the wait for new work is nobody's gap)."""
         if self.current is not None:
-            self._ended = time.perf_counter()
-            self.current.total_s = self._ended - self._started
+            now = time.perf_counter()
+            self._ended = now if streams_waiting else 0.0
+            self.current.total_s = now - self._started
             self._recent.append(self.current)
             self.current = None
 
