@@ -236,6 +236,57 @@ def summarize(results: dict[str, list[list[dict]]], turns: int, changed: list[li
     return out
 
 
+def prefill_clock(model_path: Path, ids: list[int], chunk: int, repeats: int = 2) -> list[float]:
+    """Seconds to prefill ``ids[:p]`` for every p, from one pass in ``chunk``-token forwards (the server's
+    chunking: cut at multiples of ``chunk`` from the start) on the plugin's own text model, in this
+    process (the servers stopped). A token's cost grows with its position (attention), so a suffix
+    after a hit costs more per token than the prompt's average: this clock prices it where it sits.
+    The fastest of ``repeats`` passes per chunk."""
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    from vllm_mlx_mtp_routing.text_model import build_text_model
+
+    vlm, _ = load(str(model_path))
+    model = build_text_model(vlm, model_path, json.loads((model_path / "config.json").read_text())).model
+    model.train(False)
+    best = [float("inf")] * (-(-len(ids) // chunk))
+    for _ in range(repeats):
+        cache = model.make_cache()
+        for i in range(len(best)):
+            part = mx.array(ids[i * chunk:(i + 1) * chunk], dtype=mx.uint32)[None]
+            tic = time.perf_counter()
+            model(part, cache=cache)  # as the engine prefills: the caches evaluated, the logits never
+            mx.eval([c.state for c in cache])
+            best[i] = min(best[i], time.perf_counter() - tic)
+    clock = [0.0]  # clock[p]: ids[:p]; within a chunk its time is spread evenly over its tokens
+    for i, sec in enumerate(best):
+        n = min(chunk, len(ids) - i * chunk)
+        start = clock[-1]
+        clock += [start + sec * (j + 1) / n for j in range(n)]
+    return clock
+
+
+def ideal_vs_ttft(summary: dict, clock: list[float]) -> list[dict]:
+    """Per turn from 2 on, the plugin's first-served conversation against the ideal: its suffix's prefill time at
+    its positions (``clock``), and the full prompt's; ``ttft_vs_ideal`` = suffix time / TTFT (1.0: the hit costs
+    nothing beyond the suffix's prefill)."""
+    out = []
+    for row in summary.get("plugin", [])[1:]:
+        if "cached_tokens" not in row:
+            continue
+        i = min(range(len(row["ttft_s"])), key=lambda j: row["ttft_s"][j])
+        prompt, cached = row["prompt_tokens"][i], row["cached_tokens"][i]
+        if prompt - 1 >= len(clock):
+            continue
+        full, suffix = clock[prompt - 1], clock[prompt - 1] - clock[cached]
+        out.append({"turn": row["turn"], "prompt_tokens": prompt, "cached_tokens": cached,
+                    "full_prefill_s": round(full, 3), "suffix_prefill_s": round(suffix, 3),
+                    "ideal_speedup": round(full / suffix, 2) if suffix else None,
+                    "first_ttft_s": row["ttft_s"][i], "ttft_vs_ideal": round(suffix / row["ttft_s"][i], 3)})
+    return out
+
+
 def markdown(summary: dict, meta: dict) -> str:
     lines = [f"Agentic benchmark: {meta['conversations']} conversations x {meta['turns']} turns, shared prefix "
              f"~{meta['system_tokens']} tokens, max_tokens {meta['max_tokens']}; {meta['device']}", "",
@@ -284,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plugin-flags", default="", help="extra flags for the plugin server")
     ap.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, ~600-token prefix")
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--ideal", action="store_true",
+                    help="after the servers stop: time the plugin's prefill of the longest prompt in-process, chunk by chunk, "
+                         "and report each turn's first-served TTFT against its suffix's prefill time (summary: ideal)")
     ap.add_argument("--server-cmd", default=None,
                     help="replaces the vllm-mlx console script, e.g. 'python benchmarks/vllm_mlx_launcher.py --site DIR'")
     a = ap.parse_args(argv)
@@ -341,16 +395,27 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):  # gone after a time limit
                 status = httpx.get(f"{urls['plugin'][0]}/v1/status", timeout=30).json()
                 statuses["plugin"] = status["plugins"]["mtp-routing"].get("prefix_cache", {})
+                statuses["plugin_prefill"] = status["plugins"]["mtp-routing"].get("prefill") or {}
     summary = summarize(results, a.turns, changed)
+    if a.ideal and "plugin" in summary:
+        chunk = int(statuses.get("plugin_prefill", {}).get("chunk_tokens") or 2048)
+        longest = max(ids[0], key=len)  # + a few tokens: the server's prompt also holds the generation prompt
+        clock = prefill_clock(model, longest + longest[-64:], chunk)
+        ideal = {"chunk_tokens": chunk, "turns": ideal_vs_ttft(summary, clock)}
+        print("ideal:", json.dumps(ideal), file=sys.stderr, flush=True)
+    else:
+        ideal = None
     meta = {"conversations": a.conversations, "turns": a.turns, "system_tokens": a.system_tokens,
             "max_tokens": a.max_tokens, "device": device_line(), "model": str(model), "servers": servers,
             "commit": os.environ.get("BENCH_COMMIT") or _git_commit(), "interrupted": interrupted}
-    report = {"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"), "raw": results}
+    report = {"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"), "raw": results,
+              **({"ideal": ideal} if ideal else {})}
     print(markdown(summary, meta), file=sys.stderr)
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
         Path(a.out).with_suffix(".md").write_text(markdown(summary, meta) + "\n")
-    print(json.dumps({"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin")}))
+    print(json.dumps({"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"),
+                      **({"ideal": ideal} if ideal else {})}))
     return 0
 
 

@@ -22,7 +22,9 @@
 # Environment: KV_AB_STEPS (timed steps per layout and step kind, default 240), KV_AB_SHAPE (default 2b;
 # small: the same run at a tiny shape, a CPU check of the script:
 #   SITE=/tmp/site PY=.venv/bin/python KV_AB_SHAPE=small KV_AB_STEPS=8 BASE=/tmp/base bash benchmarks/gpu_kv_ab_2b.sh
-# with an empty /tmp/site/.gpu_serve_staged), SITE, PY, BASE.
+# with an empty /tmp/site/.gpu_serve_staged), SITE, PY, BASE, KV_AB_ALT (another batch_cache.py timed beside them as
+# "alt", with its package-relative imports made absolute, e.g. the layout before a change:
+#   git show <commit>:vllm_mlx_mtp_routing/text_engine/batch_cache.py | sed 's/from \.\./from vllm_mlx_mtp_routing./' > .device-b/alt_bc.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -44,7 +46,7 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 rc_all=0
 run() {  # timeout seconds, then kv_layout_ab.py's arguments
   local limit=$1; shift
-  timeout -k 10 "$limit" $PY benchmarks/kv_layout_ab.py --base "$BASE" "$@"
+  timeout -k 10 "$limit" $PY benchmarks/kv_layout_ab.py --base "$BASE" ${KV_AB_ALT:+--alt "$KV_AB_ALT"} "$@"
   local rc=$?
   echo "gpu_kv_ab_2b: rc=$rc ($*)"
   [ "$rc" -eq 0 ] || rc_all=$rc

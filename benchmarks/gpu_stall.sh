@@ -13,7 +13,8 @@
 #   call 1, carry [.device-a]:  cp .device-a/mlx.part.aa /root/
 #   call 2, carry [.device-b]:  BENCH_COMMIT=<commit> bash benchmarks/gpu_stall.sh
 # Environment: STALL_PROMPT_TOKENS (default 16384), STALL_ROUNDS, STALL_PREP_PROBES, SITE (default /root/site),
-# OUT (default $OUT or benchmarks/results).
+# STALL_WARM_TOKENS (default 300: tokens per stream before the long prompt, past the engine's 256-step window of
+# slowest_steps, so that each round reports its own), OUT (default $OUT or benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -27,6 +28,6 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 base=()
 [ -d .device-b/base/vllm_mlx_mtp_routing ] && base=(--base "$REPO/.device-b/base")
 mkdir -p "$OUT"
-$PY benchmarks/prefill_stall.py --model "$MODEL_2B" "${base[@]}" --prompt-tokens "${STALL_PROMPT_TOKENS:-16384}" \
+$PY benchmarks/prefill_stall.py --model "$MODEL_2B" "${base[@]}" --prompt-tokens "${STALL_PROMPT_TOKENS:-16384}" --warm-tokens "${STALL_WARM_TOKENS:-300}" \
     --rounds "${STALL_ROUNDS:-3}" --prep-probes "${STALL_PREP_PROBES:-10}" \
     --command "$PY $REPO/benchmarks/vllm_mlx_launcher.py --site $SITE" --out "$OUT/prefill_stall-gpu.json"

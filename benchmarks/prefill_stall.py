@@ -109,6 +109,10 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
     starved = [t1 - arr[-1] for arr in arrivals if arr and arr[-1] < t1]  # streams with no token after a stall
     overlapping = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b > t0 and a < t1]
     lat = [d for tic, d in health if t0 <= tic <= t1]
+    # the engine's own account of its slowest recent steps (a window of 256 steps: warm the streams past it,
+    # --warm-tokens, so that only this round's steps are in it)
+    status = httpx.get(f"{url}/v1/status", timeout=30).json().get("plugins", {}).get("mtp-routing", {})
+    slowest = (status.get("text_engine") or {}).get("slowest_steps")
     return {
         "prompt_tokens": response.json()["usage"]["prompt_tokens"] if expect == 200 else None,
         "ttft_s": round(t1 - t0, 3),
@@ -121,6 +125,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         "health_median_s": round(statistics.median(lat), 4) if lat else None,
         "health_polls": len(lat),
         "worst_gaps_s_at_s": [(round(g, 3), round(at, 3)) for g, at in worst[:4]],
+        **({"slowest_steps": slowest} if slowest is not None else {}),
     }
 
 

@@ -50,6 +50,7 @@ from .detokenize import eos_ids_of
 from .footprint import engine_memory_model
 from .outputs import TextOutput
 from .rows import DecodeBatch, PrefillState, Row, TextRequest
+from .step_profile import StepProfile
 
 __all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
 
@@ -96,6 +97,7 @@ class BatchScheduler:
         self.prompt_tokens = 0
         self.shared_prefill_rows = 0  # rows that started from another row's prefill (OpenAI n)
         self.batch_size_histogram: dict[int, int] = {}
+        self.profile = StepProfile()
 
     @property
     def running(self) -> list[Row]:
@@ -151,13 +153,19 @@ class BatchScheduler:
     def step(self) -> list[TextOutput]:
         """Admit, prefill up to one token budget, decode the batch once; outputs of this step."""
         outputs: list[TextOutput] = []
-        while self.waiting and len(self.prefilling) + len(self.running) < self.max_num_seqs:
-            self.prefilling.append(self.waiting.popleft())
-        outputs += self._prefill()
-        if self.running:
-            tic = time.perf_counter()
-            outputs += self._decode()
-            prefill_budget.note_decode_step(self, time.perf_counter() - tic)
+        record = self.profile.begin(self.steps)
+        try:
+            while self.waiting and len(self.prefilling) + len(self.running) < self.max_num_seqs:
+                self.prefilling.append(self.waiting.popleft())
+            outputs += self._prefill()
+            if self.running:
+                record.rows = len(self.running)
+                tic = time.perf_counter()
+                outputs += self._decode()
+                record.decode_s = time.perf_counter() - tic
+                prefill_budget.note_decode_step(self, record.decode_s)
+        finally:
+            self.profile.end(streams_waiting=bool(self.running))
         self.steps += 1
         return outputs
 
@@ -178,8 +186,11 @@ class BatchScheduler:
                     if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break
                     tic = time.perf_counter()
-                    done += job.advance() if job is not None else self._prefill_chunk(seq)
+                    n = job.advance() if job is not None else self._prefill_chunk(seq)
+                    done += n
                     last = time.perf_counter() - tic
+                    if self.profile.current is not None:
+                        self.profile.current.chunk(n, last)
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
@@ -190,7 +201,11 @@ class BatchScheduler:
                 continue
             if seq.prefilled < seq.to_prefill:
                 break  # budget spent: later requests wait, keeping the queue order
+            tic = time.perf_counter()
             self._join(seq)
+            if self.profile.current is not None:
+                self.profile.current.joins += 1
+                self.profile.current.join_s += time.perf_counter() - tic
         return outputs
 
     def _chunk_len(self, seq: Row) -> int:
@@ -303,6 +318,7 @@ class BatchScheduler:
             "shared_prefill_rows": self.shared_prefill_rows,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
+            "slowest_steps": self.profile.slowest(),
             "cache_bytes": self.batch.nbytes,
             **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,

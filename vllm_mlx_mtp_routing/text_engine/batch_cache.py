@@ -21,10 +21,40 @@ import mlx.core as mx
 import mlx.nn as nn
 from ..backbone import Captured, rollback_rows, zero_state
 from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
+from .kv_gather import gather_rows
 
 
 def _round_up(n: int, step: int) -> int:
     return max(step, (n + step - 1) // step * step)
+
+
+class StepArrays:
+    """The index arrays every attention layer of one batch derives alike from the rows' lengths and
+    block tables, made once and shared.
+
+    Each layer keeps its own pool, but its rows, lengths and tables change in lockstep with every
+    other layer's (the batch joins, grows, trims and filters them together), so per step the write
+    slots, the read index and the RoPE offsets are the same arrays in every layer. Made per layer,
+    they were ~8 small device ops and a host-to-device copy per attention layer and step: the bulk
+    of the blocks' step cost on a launch-bound GPU (BENCHMARKS.md section 6). A memo keyed by
+    content (lengths, tables) or by the identity of the arrays it derives from keeps a few recent
+    entries, enough for one step's layers; an entry keyed by identity holds its sources, so an
+    ``id`` is never reused while its entry lives."""
+
+    _KEEP = 8
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple, tuple] = {}
+
+    def get(self, key: tuple, make: Any, *sources: mx.array) -> mx.array:
+        hit = self._memo.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[1], sources)):
+            return hit[0]
+        value = make()
+        if len(self._memo) >= self._KEEP:
+            del self._memo[next(iter(self._memo))]
+        self._memo[key] = (value, sources)
+        return value
 
 
 def _plans_attention_per_shape() -> bool:
@@ -59,8 +89,9 @@ class RaggedKVCache(BaseCache):
     # grew alone) is read as a slice, without the gather's copy: see _read.
     slice_single_run = True
 
-    def __init__(self, whole_buffer: bool | None = None) -> None:
+    def __init__(self, whole_buffer: bool | None = None, shared: StepArrays | None = None) -> None:
         self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
+        self._shared = StepArrays() if shared is None else shared
         self._pool_k: mx.array | None = None  # [H, blocks * block, Dk]; block 0 stays zero
         self._pool_v: mx.array | None = None
         self._free: list[int] = []  # free block ids, popped from the end
@@ -95,11 +126,11 @@ class RaggedKVCache(BaseCache):
     @property
     def keys(self) -> mx.array | None:
         """The rows' keys as one dense [B, H, capacity, Dk] array (a copy; for inspection)."""
-        return None if self._pool_k is None else self._gather(self._pool_k, self._positions(self.capacity))
+        return None if self._pool_k is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[0]
 
     @property
     def values(self) -> mx.array | None:
-        return None if self._pool_v is None else self._gather(self._pool_v, self._positions(self.capacity))
+        return None if self._pool_v is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[1]
 
     @property
     def state(self):
@@ -124,11 +155,15 @@ class RaggedKVCache(BaseCache):
         self._lengths = list(lengths)
         if shift is not None:
             self._shift = list(shift)
-        self._slots = mx.array(self._lengths, dtype=mx.int32)
+        self._slots = self._ints(self._lengths)
         if any(self._shift):
-            self.offset = mx.array([n + s for n, s in zip(self._lengths, self._shift)], dtype=mx.int32)
+            self.offset = self._ints([n + s for n, s in zip(self._lengths, self._shift)])
         else:
             self.offset = self._slots
+
+    def _ints(self, values: list[int]) -> mx.array:
+        key = ("ints", *values)
+        return self._shared.get(key, lambda: mx.array(values, dtype=mx.int32))
 
     def _visible(self, needed: int) -> int:
         """How many key positions attention reads once ``needed`` are in use."""
@@ -148,12 +183,15 @@ class RaggedKVCache(BaseCache):
         """Rebuild the slot index of every row's positions (only when some row's blocks change:
         at most once per ``block`` tokens per row), so a step reads and writes with one index
         op each instead of rebuilding it per layer and per step."""
-        width = max((len(t) for t in self._tables), default=0) or 1
-        table = mx.array([t + [0] * (width - len(t)) for t in self._tables] or [[0]], dtype=mx.int32)
-        # _index[i, p]: the pool slot of row i's position p (past its blocks: the zero block)
-        self._index = (table[:, :, None] * self.block + mx.arange(self.block, dtype=mx.int32)).reshape(table.shape[0], -1)
+        self._index = self._shared.get(("index", *map(tuple, self._tables)), self._make_index)
         t = self._tables[0] if len(self._tables) == 1 else None
         self._run = t[0] * self.block if t and t == list(range(t[0], t[0] + len(t))) else None
+
+    def _make_index(self) -> mx.array:
+        width = max((len(t) for t in self._tables), default=0) or 1
+        table = mx.array([t + [0] * (width - len(t)) for t in self._tables] or [[0]], dtype=mx.int32)
+        # [i, p]: the pool slot of row i's position p (past its blocks: the zero block)
+        return (table[:, :, None] * self.block + mx.arange(self.block, dtype=mx.int32)).reshape(table.shape[0], -1)
 
     def _grow(self, need: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype) -> None:
         """Make at least ``need`` blocks free (zeros, never garbage: masked slots still enter the
@@ -203,19 +241,19 @@ class RaggedKVCache(BaseCache):
         """[B, n]: the pool slots of positions 0..n-1 of every row (past a row's blocks: the zero
         block)."""
         idx = self._index
+        if n == idx.shape[1]:
+            return idx
         if n > idx.shape[1]:
-            return mx.pad(idx, [(0, 0), (0, n - idx.shape[1])])
-        return idx[:, :n] if n < idx.shape[1] else idx
-
-    @staticmethod
-    def _gather(pool: mx.array, idx: mx.array) -> mx.array:
-        # [H, B, n, D] -> [B, H, n, D]: each row's keys of a head stay one contiguous run
-        return pool[:, idx].transpose(1, 0, 2, 3)
+            return self._shared.get(("read", id(idx), n), lambda: mx.pad(idx, [(0, 0), (0, n - idx.shape[1])]), idx)
+        return self._shared.get(("read", id(idx), n), lambda: idx[:, :n], idx)
 
     def _zero(self, blocks: list[int]) -> None:
         if not blocks:
             return
-        idx = (mx.array(blocks, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1)
+        idx = self._shared.get(
+            ("zero", *blocks),
+            lambda: (mx.array(blocks, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1),
+        )
         H, _, Dk = self._pool_k.shape
         self._pool_k[:, idx] = mx.zeros((H, idx.size, Dk), self._pool_k.dtype)
         self._pool_v[:, idx] = mx.zeros((H, idx.size, self._pool_v.shape[2]), self._pool_v.dtype)
@@ -251,12 +289,21 @@ class RaggedKVCache(BaseCache):
         B, H, S, Dk = keys.shape
         ends = [n + S for n in self._lengths]
         self._zero(self._reserve(ends, H, Dk, values.shape[3], keys.dtype))
-        pos = self._slots[:, None] + mx.arange(S, dtype=mx.int32)
         # In bounds by _reserve: MLX (0.32.4, CPU) does not bounds-check scatters, and an index
         # past the buffer corrupts the heap instead of raising.
-        idx = mx.take_along_axis(self._index, pos, axis=1).reshape(-1)
-        self._pool_k[:, idx] = keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk)
-        self._pool_v[:, idx] = values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3])
+        index, slots = self._index, self._slots
+        idx = self._shared.get(
+            ("write", id(index), id(slots), S),
+            lambda: mx.take_along_axis(index, slots[:, None] + mx.arange(S, dtype=mx.int32), axis=1).reshape(1, B * S, 1),
+            index, slots,
+        )
+        # put_along_axis (MLX's axis scatter) rather than an indexed assignment (its general scatter): on CUDA the
+        # general one cost ~30 us more a call at these sizes (benchmarks/kv_gather_ops.py). A decode step's
+        # [H, B, 1, D] -> [H, B, D] is a view; a verify's [H, B * S, D] a small copy.
+        self._pool_k = mx.put_along_axis(self._pool_k, idx, keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk), axis=1)
+        self._pool_v = mx.put_along_axis(
+            self._pool_v, idx, values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3]), axis=1
+        )
         self._set_lengths(ends)
         return self._read(self._visible(max(ends, default=0)))
 
@@ -267,8 +314,9 @@ class RaggedKVCache(BaseCache):
             # Positions past the row's blocks read whatever the pool holds there: finite (zeros or
             # keys of rows gone), and masked.
             return self._pool_k[None, :, run : run + n], self._pool_v[None, :, run : run + n]
-        idx = self._positions(n)
-        return self._gather(self._pool_k, idx), self._gather(self._pool_v, idx)
+        return self._gather(self._pool_k, self._pool_v, self._positions(n))
+
+    _gather = staticmethod(gather_rows)  # [B, H, n, D] keys and values: each row's run of a head contiguous
 
     # -- rows -----------------------------------------------------------------------------------
 
@@ -371,8 +419,9 @@ class BatchCache:
         for c in single:
             if type(c) not in (ArraysCache, KVCache):
                 raise TypeError(f"no batched form for cache type {type(c).__name__}")
+        shared = StepArrays()
         self.layers: list[Any] = [
-            ArraysCache(size=len(c.cache)) if isinstance(c, ArraysCache) else RaggedKVCache(whole_buffer)
+            ArraysCache(size=len(c.cache)) if isinstance(c, ArraysCache) else RaggedKVCache(whole_buffer, shared)
             for c in single
         ]
         self._rows = 0
