@@ -84,10 +84,13 @@ class PrefixCache:
         finally:
             self.tree.unpin(entry)
         self.tree.touch(entry)
+        return self._hit(entry.length, state, entry.kind)
+
+    def _hit(self, length: int, state: PrefillState, kind: str) -> Hit:
         self.hits += 1
-        self.hit_tokens += entry.length
-        self.hits_by_kind[entry.kind] = self.hits_by_kind.get(entry.kind, 0) + 1
-        return Hit(entry.length, state, entry.kind)
+        self.hit_tokens += length
+        self.hits_by_kind[kind] = self.hits_by_kind.get(kind, 0) + 1
+        return Hit(length, state, kind)
 
     def _from_disk(self, tokens: Sequence[int], on_disk: Any) -> Hit | None:
         snap = self.disk.load(on_disk)
@@ -96,11 +99,8 @@ class PrefixCache:
         state = snapshot.restore([snap], self.model.make_cache(), self.with_head)
         # Back in memory (whole, no base), where the conversation's next snapshots can extend it.
         self.tree.insert(tokens, snap.length, on_disk.kind, snap)
-        self.hits += 1
         self.disk_hits += 1
-        self.hit_tokens += snap.length
-        self.hits_by_kind[on_disk.kind] = self.hits_by_kind.get(on_disk.kind, 0) + 1
-        return Hit(snap.length, state, on_disk.kind)
+        return self._hit(snap.length, state, on_disk.kind)
 
     def _whole(self, entry: Any) -> snapshot.Snapshot:
         """An entry's snapshot with its bases folded in (KV from position 0)."""
