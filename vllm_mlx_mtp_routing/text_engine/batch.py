@@ -50,7 +50,7 @@ from .detokenize import eos_ids_of
 from .footprint import engine_memory_model
 from .outputs import TextOutput
 from .rows import DecodeBatch, PrefillState, Row, TextRequest
-from .step_profile import StepProfile
+from .step_profile import StepProfile, StepRecord
 
 __all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
 
@@ -157,7 +157,7 @@ class BatchScheduler:
         try:
             while self.waiting and len(self.prefilling) + len(self.running) < self.max_num_seqs:
                 self.prefilling.append(self.waiting.popleft())
-            outputs += self._prefill()
+            outputs += self._prefill(record)
             if self.running:
                 record.rows = len(self.running)
                 tic = time.perf_counter()
@@ -169,7 +169,7 @@ class BatchScheduler:
         self.steps += 1
         return outputs
 
-    def _prefill(self) -> list[TextOutput]:
+    def _prefill(self, record: StepRecord) -> list[TextOutput]:
         outputs = []
         done, started, last = 0, time.perf_counter(), 0.0
         for seq in list(self.prefilling):
@@ -186,11 +186,10 @@ class BatchScheduler:
                     if done and not prefill_budget.more_prefill(self, done + n, started, last):
                         break
                     tic = time.perf_counter()
-                    n = job.advance() if job is not None else self._prefill_chunk(seq)
-                    done += n
+                    advanced = job.advance() if job is not None else self._prefill_chunk(seq)
+                    done += advanced
                     last = time.perf_counter() - tic
-                    if self.profile.current is not None:
-                        self.profile.current.chunk(n, last)
+                    record.chunk(advanced, last)
             except Exception as e:  # only this request's own cache was touched
                 logger.exception("prefill failed for %s", seq.rid)
                 self.prefilling.remove(seq)
@@ -203,9 +202,8 @@ class BatchScheduler:
                 break  # budget spent: later requests wait, keeping the queue order
             tic = time.perf_counter()
             self._join(seq)
-            if self.profile.current is not None:
-                self.profile.current.joins += 1
-                self.profile.current.join_s += time.perf_counter() - tic
+            record.joins += 1
+            record.join_s += time.perf_counter() - tic
         return outputs
 
     def _chunk_len(self, seq: Row) -> int:
