@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import os
 
 # Set before any test module imports transformers/mlx_vlm: nothing may reach the hub.
@@ -36,6 +37,15 @@ def _work_unit(nodeid: str) -> str:
     if module.endswith("test_prefix_cache_e2e.py"):
         return nodeid
     return module
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The test modules' imports (transformers, mlx-vlm, the host) leave ~300k objects that live as long as the
+    # process: out of the collector's reach, a full collection (dozens per worker, from tests that allocate many
+    # objects) no longer walks them all again, ~0.15 s of CPU each.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed the suite runs in one process
