@@ -39,12 +39,12 @@ async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> tuple[int
 
 
 def admission_stats(server: Server) -> dict:
-    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["admission"]
+    return server.get("/v1/status").json()["plugins"]["mtp-routing"]["admission"]
 
 
 def test_burst_gets_complete_streams_or_503(server: Server) -> None:
     async def burst() -> list[tuple[int, str, dict[str, str]]]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
+        async with server.async_client(timeout=180) as client:
             return await asyncio.gather(*(one_stream(client, server.model, i) for i in range(BURST)))
 
     results = asyncio.run(burst())
@@ -61,12 +61,12 @@ def test_burst_gets_complete_streams_or_503(server: Server) -> None:
             assert int(headers["retry-after"]) >= 1
             assert json.loads(text)["error"]["code"] == 503
 
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert server.get("/health").status_code == 200
     stats = admission_stats(server)
     assert (stats["running"], stats["queued"], stats["reserved_bytes"]) == (0, 0, 0)
     assert stats["rejected"] >= statuses.count(503)
     assert stats["policy"] == "fifo"
-    metrics = httpx.get(f"{server.url}/metrics").text
+    metrics = server.get("/metrics").text
     assert "vllm_mlx_mtp_routing_admission" in metrics
     log = server.log()
     assert "server busy" not in "".join(line for line in log.splitlines(True) if "ERROR" in line)  # not an error
@@ -74,8 +74,8 @@ def test_burst_gets_complete_streams_or_503(server: Server) -> None:
 
 
 def test_bad_priority_header_is_400(server: Server) -> None:
-    response = httpx.post(
-        f"{server.url}/v1/chat/completions",
+    response = server.post(
+        "/v1/chat/completions",
         json={"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
         headers={"X-Request-Priority": "high"},
         timeout=60,
@@ -104,7 +104,7 @@ def test_long_prompt_burst_over_a_small_budget_queues_and_finishes(tiny_vlm_fp32
     flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "8", "--prefill-step-size", "256")
     with serve(tiny_vlm_fp32, *flags, log_dir=tmp_path) as probe:
         stats = admission_stats(probe)
-        prompt_tokens = httpx.post(f"{probe.url}/v1/chat/completions", timeout=120, json={
+        prompt_tokens = probe.post("/v1/chat/completions", timeout=120, json={
             "model": probe.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     config = json.loads((tiny_vlm_fp32 / "config.json").read_text())
     one = MemoryModel.from_model_config(config, prefill_step_size=256).project(prompt_tokens, 16)
@@ -113,7 +113,7 @@ def test_long_prompt_burst_over_a_small_budget_queues_and_finishes(tiny_vlm_fp32
     headroom_gb = (stats["device_bytes"] - budget) / 2**30
     with serve(tiny_vlm_fp32, *flags, "--scheduler-headroom-gb", f"{headroom_gb:.6f}", log_dir=tmp_path) as server:
         async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
+            async with server.async_client(timeout=180) as client:
                 body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
                 return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(6)))
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from vllm_mlx_mtp_routing.checkpoint_layouts import NO_MTP_HINT
@@ -43,7 +42,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _mtp_status(server: Server) -> dict:
-    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]
+    return server.get("/v1/status").json()["plugins"]["mtp-routing"]
 
 
 def _greedy(server: Server, **extra: object) -> list[str]:
@@ -51,7 +50,7 @@ def _greedy(server: Server, **extra: object) -> list[str]:
     for prompt in PROMPTS:
         body = {"model": server.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
-        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+        r = server.post("/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         outs.append(r.json()["choices"][0]["message"]["content"])
     return outs

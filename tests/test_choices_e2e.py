@@ -37,7 +37,7 @@ def server(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=180)
+    return server.openai(timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def text_of(tok, ids: list[int]) -> str:
 
 
 def plugin_stats(server: Server) -> dict:
-    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]
+    return server.get("/v1/status").json()["plugins"]["mtp-routing"]
 
 
 def test_n_sampled_choices_differ_and_reproduce(server: Server, client: openai.OpenAI) -> None:
@@ -125,7 +125,7 @@ def test_max_completion_tokens(server: Server, client: openai.OpenAI) -> None:
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
     both = client.chat.completions.create(model=server.model, messages=messages, max_tokens=20, max_completion_tokens=4, temperature=0)
     assert both.usage.completion_tokens == 4
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_completion_tokens": 2})
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_completion_tokens": 2})
     assert r.json()["usage"]["completion_tokens"] == 2
     # stop as one string, as OpenAI allows it (the host's request model wants a list)
     full = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
@@ -175,7 +175,7 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
     parts = [{"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": image}]
     response = client.responses.create(model=server.model, input=[{"role": "user", "content": parts}], max_output_tokens=16, temperature=0)
     assert response.output_text == full  # the image was seen, as in the chat request
-    bad = httpx.post(f"{server.url}/v1/responses", json={"model": server.model, "input": [
+    bad = server.post("/v1/responses", json={"model": server.model, "input": [
         {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
     assert bad.status_code == 400 and "file_id" in bad.json()["error"]["message"]
     after = plugin_stats(server)["routing"]
@@ -185,7 +185,7 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
 def test_anthropic_stop_sequences_are_honoured(server: Server) -> None:
     import anthropic
 
-    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    client = server.anthropic()
     kw = {"model": server.model, "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}], "extra_body": {"temperature": 0}}
     full = client.messages.create(**kw).content[0].text
     stop = full[5:8]
@@ -195,9 +195,9 @@ def test_anthropic_stop_sequences_are_honoured(server: Server) -> None:
 
 def test_bad_n_and_a_refused_copy_are_plain_errors(server: Server) -> None:
     body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    assert httpx.post(f"{server.url}/v1/chat/completions", json={**body, "n": 0}).status_code == 400
-    assert httpx.post(f"{server.url}/v1/chat/completions", json={**body, "n": 99}).status_code == 400
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "n": 3, "stream": True, "top_p": 5})
+    assert server.post("/v1/chat/completions", json={**body, "n": 0}).status_code == 400
+    assert server.post("/v1/chat/completions", json={**body, "n": 99}).status_code == 400
+    r = server.post("/v1/chat/completions", json={**body, "n": 3, "stream": True, "top_p": 5})
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
 
 

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -37,11 +36,11 @@ def server(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=180)
+    return server.openai(timeout=180)
 
 
 def routing(server: Server) -> dict[str, int]:
-    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["routing"]
+    return server.get("/v1/status").json()["plugins"]["mtp-routing"]["routing"]
 
 
 def encode(tok, text: str) -> list[int]:
@@ -170,7 +169,7 @@ def _all(server: Server) -> dict:
 def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(tmp_path: Path, shared_server: Callable[..., Server]) -> None:
     with serve(TRAINED, *FLAGS, "--enable-mtp", "--mtp-schedule", "always", log_dir=tmp_path) as server:
         with_mtp = _all(server)
-        status = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]
+        status = server.get("/v1/status").json()["plugins"]["mtp-routing"]
         assert routing(server)["fallback"] == 0
     server = shared_server(TRAINED, *FLAGS)  # test_mtp_e2e's server without MTP too
     without = _all(server)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from vllm_mlx_mtp_routing.testing.server import Server, serve
@@ -22,14 +21,14 @@ def greedy(server: Server) -> list[str]:
     outs = []
     for prompt in PROMPTS:
         body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0}
-        outs.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"])
+        outs.append(server.post("/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"])
     return outs
 
 
 def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path, shared_server: Callable[..., Server]) -> None:
     with serve(TRAINED, *FLAGS, "--enable-mtp", log_dir=tmp_path) as server:
         with_mtp = greedy(server)
-        status = httpx.get(f"{server.url}/v1/status").json()
+        status = server.get("/v1/status").json()
         mtp = status["plugins"]["mtp-routing"]["mtp"]
         # the host's own status block tells the same story: MTP runs on the text path
         assert status["mtp"]["path"] == "text" and status["mtp"]["drafted"] == mtp["drafted"]
@@ -38,11 +37,11 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path, shared_
     with serve(TRAINED, *FLAGS, "--enable-mtp", "--mtp-schedule", "always", "--mtp-prompt-pairs", "4",
                log_dir=tmp_path) as server:
         always = greedy(server)
-        fixed = httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
+        fixed = server.get("/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
         assert "head over the prompt's last 4 positions" in server.log()
     server = shared_server(TRAINED, *FLAGS)
     without = greedy(server)
-    assert httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["mtp"] == {"enabled": False}
+    assert server.get("/v1/status").json()["plugins"]["mtp-routing"]["mtp"] == {"enabled": False}
     assert with_mtp == without == always
     assert fixed["adaptive"] is False and fixed["steps_with_mtp"] > fixed["steps_without_mtp"]
     assert fixed["acceptance_rate"] > 0.5  # the trained head (0.87 held-out) really drafts

@@ -208,7 +208,9 @@ def patched_server(patched_host: Path, refuser_dir: Path, tiny_vlm_bf16: Path, t
 
 
 def _client(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    client = server.client(timeout=60)
+    client.headers["Authorization"] = f"Bearer {API_KEY}"
+    return client
 
 
 @pytest.mark.server
@@ -216,7 +218,7 @@ def test_patched_server_runs_the_plugin(patched_server: Server) -> None:
     with _client(patched_server) as client:
         plugins = client.get("/v1/plugins").json()["plugins"]
         assert [p["name"] for p in plugins] == ["mtp-routing", "refuser"]
-        assert httpx.get(f"{patched_server.url}/v1/plugins").status_code == 401  # behind --api-key
+        assert patched_server.get("/v1/plugins").status_code == 401  # behind --api-key
 
         chat = {"model": patched_server.model, "messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 8, "temperature": 0}
         out = client.post("/v1/chat/completions", json=chat)

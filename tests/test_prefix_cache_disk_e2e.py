@@ -5,7 +5,6 @@ a bad --ssd-cache-max-gb exits 2 naming the flag."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from vllm_mlx_mtp_routing.testing.server import serve
@@ -15,7 +14,7 @@ SYSTEM = "You review pull requests for a storage engine. Be terse; name the file
 
 
 def _ask(server, question: str):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client = server.openai()
     r = client.chat.completions.create(
         model=server.model, max_tokens=10, temperature=0.0,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 
@@ -23,7 +22,7 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
 
 
 def _client(server) -> openai.OpenAI:
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client = server.openai()
     client.served_model = server.model
     return client
 
@@ -79,7 +78,7 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
             assert stats["hit_tokens"] == sum(cached)
             assert stats["prefilled_tokens"] == sum(u.prompt_tokens - 1 for u in (ua, ub, uc, ud)) - sum(cached)
             # Anthropic (no tools: another system block): the reused tokens as cache_read_input_tokens
-            ac = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+            ac = server.anthropic()
             usages = [
                 ac.messages.create(model=server.model, system=SYSTEM, max_tokens=5,
                                    messages=[{"role": "user", "content": q}]).usage

@@ -8,8 +8,6 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 
 from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve
@@ -48,7 +46,7 @@ def server(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def test_long_prompts_at_once_beside_images_equal_alone(server: Server, tiny_vlm_fp32: Path) -> None:
     conversations = _conversations()
     raw = [f"# file {i}\n" + _code(20 + i) for i in range(3)]
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+    client = server.async_openai(timeout=300)
 
     async def chat(messages: list[dict], tools: list | None) -> tuple[str, int]:
         kw = {"tools": tools} if tools else {}
@@ -89,7 +87,7 @@ def test_long_prompts_at_once_beside_images_equal_alone(server: Server, tiny_vlm
             assert n == len(tok.encode(text, add_special_tokens=False))
     assert [n for _, n in together_raw] == [len(tok.encode(p, add_special_tokens=False)) for p in raw]
     assert all(reason in ("stop", "length") for reason in images)
-    status = httpx.get(f"{server.url}/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
+    status = server.get("/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
     assert status["routing"]["media"] >= 3
     a, t = status["admission"], status["text_engine"]
     assert (a["running"], a["queued"], t["running"], t["prefilling"], t["waiting"]) == (0, 0, 0, 0, 0)

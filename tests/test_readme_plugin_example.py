@@ -40,7 +40,7 @@ def test_example_refuses_a_request(example_dir: Path, tiny_vlm_bf16: Path, tmp_p
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(example_dir), os.environ.get("PYTHONPATH")])))
     with serve(tiny_vlm_bf16, "--plugins", "readme-example", "--max-prompt-chars", "20", "--continuous-batching",
                "--mllm", log_dir=tmp_path) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+        client = server.openai(timeout=120)
         ok = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=2)
         assert ok.usage is not None and ok.usage.completion_tokens > 0

@@ -30,7 +30,7 @@ def server(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def plugin_status(server: Server) -> dict:
-    return httpx.get(f"{server.url}/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
+    return server.get("/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
 
 
 def counters(server: Server) -> tuple[int, ...]:
@@ -68,21 +68,21 @@ async def stream_then_hang_up(client: httpx.AsyncClient, payload: dict, chunks: 
 
 def test_hang_ups_release_slots_and_rows(server: Server) -> None:
     async def run() -> list[int]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with server.async_client(timeout=120) as client:
             payload = body(server, "def handler(event):", max_tokens=LONG, stream=True)
             return await asyncio.gather(*(stream_then_hang_up(client, payload, 2) for _ in range(8)))
 
     assert asyncio.run(run()) == [2] * 8
     assert wait_idle(server, within=2.0) <= 2.0
     t0 = time.monotonic()
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body(server, "x = 1", max_tokens=4), timeout=30)
+    r = server.post("/v1/chat/completions", json=body(server, "x = 1", max_tokens=4), timeout=30)
     assert r.status_code == 200 and time.monotonic() - t0 < 10
     assert plugin_status(server)["admission"]["completed"] >= 9
 
 
 def test_bad_seed_beside_running_streams_is_400_and_they_complete(server: Server) -> None:
     async def run() -> tuple[list[str], list[httpx.Response]]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with server.async_client(timeout=120) as client:
             async def full(i: int) -> str:
                 payload = body(server, f"class Item{i}:", max_tokens=48, stream=True, seed=i, temperature=0.8)
                 async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
@@ -111,14 +111,14 @@ def test_bad_seed_beside_running_streams_is_400_and_they_complete(server: Server
 ])
 def test_out_of_range_parameter_is_400_naming_it(server: Server, field: str, value: object) -> None:
     for stream in (False, True):
-        r = httpx.post(f"{server.url}/v1/chat/completions", json=body(server, "hello", **{"max_tokens": 4, "stream": stream, field: value}), timeout=30)
+        r = server.post("/v1/chat/completions", json=body(server, "hello", **{"max_tokens": 4, "stream": stream, field: value}), timeout=30)
         assert r.status_code in (400, 422), (field, value, r.status_code, r.text)  # 422: the host's own schema check
         assert field in r.text
 
 
 def test_over_context_prompt_is_400_before_any_prefill(server: Server) -> None:
     before = plugin_status(server)["text_engine"]["prompt_tokens_processed"]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    client = server.openai(timeout=120)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # within the host's own cap, over the context
         client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi " * 20}], max_tokens=32768)
     long_prompt = "alpha beta gamma delta " * 12000  # well over the tiny model's 32768-token context
@@ -132,7 +132,7 @@ def test_over_context_prompt_is_400_before_any_prefill(server: Server) -> None:
 
 def test_cancel_by_response_id_stops_a_text_stream_and_counts_show(server: Server) -> None:
     async def run() -> tuple[str, dict, dict, float]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with server.async_client(timeout=120) as client:
             payload = body(server, "def main():", max_tokens=LONG, stream=True)
             lines: list[str] = []
             async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
@@ -154,11 +154,12 @@ def test_cancel_by_response_id_stops_a_text_stream_and_counts_show(server: Serve
     assert text.count('"content"') < LONG // 2
     assert text.rstrip().endswith("data: [DONE]")
     wait_idle(server, within=2.0)
-    assert httpx.post(f"{server.url}/v1/requests/chatcmpl-nosuch/cancel", timeout=10).status_code == 404
+    assert server.post("/v1/requests/chatcmpl-nosuch/cancel", timeout=10).status_code == 404
 
 
 def test_clear_cache_route_serves_the_text_path(server: Server) -> None:
-    r = httpx.delete(f"{server.url}/v1/cache", timeout=30)
+    with server.client(timeout=30) as c:
+        r = c.delete("/v1/cache")
     assert r.status_code == 200
     assert "text_path" in json.dumps(r.json())
 
@@ -169,11 +170,11 @@ def test_a_fallback_keeps_stop_strings_and_says_why(server: Server) -> None:
     body = {"model": server.model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "temperature": 0,
             "mllm_draft": True}
     before = plugin_status(server)
-    full = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    full = server.post("/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]["content"]
     stop = full[4:7]
-    cut = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+    cut = server.post("/v1/chat/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
     assert cut["message"]["content"] == full[: full.find(stop)] and cut["finish_reason"] == "stop"
-    httpx.post(f"{server.url}/v1/chat/completions", json={**body, "temperature": 0.7, "seed": 3}, timeout=60)
+    server.post("/v1/chat/completions", json={**body, "temperature": 0.7, "seed": 3}, timeout=60)
     after = plugin_status(server)
     assert after["routing"]["fallback"] - before["routing"]["fallback"] == 3
     reason = "a host drafter was requested and the text path has no MTP head"
@@ -188,7 +189,7 @@ def test_a_long_wait_gets_the_response_start_and_keep_alives_then_an_error_frame
              "--scheduler-queue-timeout", "7")
     with serve(tiny_vlm_bf16, *flags, log_dir=tmp_path) as s:
         async def run() -> tuple[int, float, str]:
-            async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+            async with s.async_client(timeout=120) as client:
                 async def blocker() -> None:  # holds the only slot longer than the queue timeout
                     payload = body(s, "def loop():", max_tokens=6000, stream=True)
                     async with client.stream("POST", "/v1/chat/completions", json=payload) as response:

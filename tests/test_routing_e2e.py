@@ -6,9 +6,6 @@ import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import anthropic
-import httpx
-import openai
 import pytest
 
 from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve
@@ -43,13 +40,13 @@ def host_server(tiny_vlm_fp32: Path, shared_server: Callable[..., Server]) -> Se
 
 
 def chat_text(server: Server, messages: list[dict], max_tokens: int = 12) -> str:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=180)
+    client = server.openai(timeout=180)
     out = client.chat.completions.create(model=server.model, messages=messages, max_tokens=max_tokens, temperature=0)
     return out.choices[0].message.content or ""
 
 
 def routing(server: Server) -> dict[str, int]:
-    return httpx.get(f"{server.url}/v1/status").json()["plugins"]["mtp-routing"]["routing"]
+    return server.get("/v1/status").json()["plugins"]["mtp-routing"]["routing"]
 
 
 def test_text_greedy_equals_host(plugin_server: Server, host_server: Server) -> None:
@@ -64,7 +61,7 @@ def test_concurrent_requests_equal_alone(plugin_server: Server) -> None:
     alone = [chat_text(plugin_server, [{"role": "user", "content": p}], 16) for p in PROMPTS]
 
     async def burst() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{plugin_server.url}/v1", api_key="x", max_retries=0, timeout=180)
+        client = plugin_server.async_openai(timeout=180)
 
         async def one(i: int, p: str) -> str:
             await asyncio.sleep(0.05 * i)  # arrive at different steps
@@ -98,8 +95,8 @@ def test_mid_conversation_system_message(plugin_server: Server) -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "def g():"},
     ]
-    response = httpx.post(
-        f"{plugin_server.url}/v1/chat/completions",
+    response = plugin_server.post(
+        "/v1/chat/completions",
         json={"model": plugin_server.model, "messages": messages, "max_tokens": 4, "temperature": 0},
         timeout=120,
     )
@@ -108,7 +105,7 @@ def test_mid_conversation_system_message(plugin_server: Server) -> None:
 
 def test_anthropic_endpoint_on_text_path(plugin_server: Server) -> None:
     before = routing(plugin_server)["text"]
-    client = anthropic.Anthropic(base_url=plugin_server.url, api_key="x", max_retries=0)
+    client = plugin_server.anthropic()
     msg = client.messages.create(
         model=plugin_server.model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "import json"}]
     )
@@ -120,7 +117,7 @@ def test_anthropic_endpoint_on_text_path(plugin_server: Server) -> None:
 
 
 def test_stream_text_equals_non_stream(plugin_server: Server) -> None:
-    client = openai.OpenAI(base_url=f"{plugin_server.url}/v1", api_key="x", max_retries=0, timeout=180)
+    client = plugin_server.openai(timeout=180)
     messages = [{"role": "user", "content": PROMPTS[1]}]
     chunks = client.chat.completions.create(model=plugin_server.model, messages=messages, max_tokens=12, temperature=0, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -133,16 +130,16 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(plugin_server: Ser
         return {"model": plugin_server.model, "messages": [{"role": "user", "content": "def main():"}],
                 "max_tokens": 12, "temperature": 1.0, "seed": seed}
 
-    url = f"{plugin_server.url}/v1/chat/completions"
-    first = httpx.post(url, json=body(7), timeout=120).json()["choices"][0]["message"]["content"]
+    url = "/v1/chat/completions"
+    first = plugin_server.post(url, json=body(7), timeout=120).json()["choices"][0]["message"]["content"]
 
     async def together() -> list[str]:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with plugin_server.async_client(timeout=120) as client:
             rs = await asyncio.gather(*(client.post(url, json=body(s)) for s in (7, 8, 7, 9)))
             return [r.json()["choices"][0]["message"]["content"] for r in rs]
 
     batch = asyncio.run(together())
     assert batch[0] == batch[2] == first
     assert len({first, batch[1], batch[3]}) > 1  # other seeds sample other text
-    bad = httpx.post(url, json=body("seven"), timeout=60)
+    bad = plugin_server.post(url, json=body("seven"), timeout=60)
     assert bad.status_code == 400 and "seed" in bad.json()["error"]["message"]

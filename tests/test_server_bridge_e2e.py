@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -27,7 +26,7 @@ def plugin_server(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return server.openai(api_key=API_KEY, timeout=120)
 
 
 def test_text_chat(plugin_server: Server) -> None:
@@ -63,23 +62,23 @@ def test_streamed_chat(plugin_server: Server) -> None:
 
 def test_plugins_route_and_status(plugin_server: Server) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    plugins = httpx.get(f"{plugin_server.url}/v1/plugins", headers=headers).json()["plugins"]
+    plugins = plugin_server.get("/v1/plugins", headers=headers).json()["plugins"]
     assert [p["name"] for p in plugins] == ["mtp-routing"]
     assert plugins[0]["version"]
-    status = httpx.get(f"{plugin_server.url}/v1/status", headers=headers).json()
+    status = plugin_server.get("/v1/status", headers=headers).json()
     assert "mtp-routing" in status["plugins"]
 
 
 def test_plugin_routes_sit_behind_the_api_key(plugin_server: Server) -> None:
-    assert httpx.get(f"{plugin_server.url}/v1/plugins").status_code == 401
-    assert httpx.get(f"{plugin_server.url}/v1/status").status_code == 401
+    assert plugin_server.get("/v1/plugins").status_code == 401
+    assert plugin_server.get("/v1/status").status_code == 401
 
 
 def test_without_plugins_runs_as_stock(tiny_vlm_fp32: Path, shared_server: Callable[..., Server]) -> None:
     server = shared_server(tiny_vlm_fp32, "--continuous-batching", "--mllm")  # the stock host, as in test_routing_e2e
-    assert httpx.get(f"{server.url}/v1/plugins").status_code == 404
-    assert "plugins" not in httpx.get(f"{server.url}/v1/status").json()
-    out = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+    assert server.get("/v1/plugins").status_code == 404
+    assert "plugins" not in server.get("/v1/status").json()
+    out = server.openai().chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert out.usage is not None and out.usage.completion_tokens > 0

@@ -29,7 +29,7 @@ def test_server_sparse_prefills_long_prompts_only_as_asked(tiny_vlm_fp32, tiny_d
     flags = ("--enable-mtp", "--specprefill", "--specprefill-draft-model", str(tiny_draft_dir), "--specprefill-threshold", "200",
              "--specprefill-keep-pct", "0.3")
     with serve(tiny_vlm_fp32, *BASE, *flags, log_dir=tmp_path) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        client = server.openai()
 
         def chat(content: str, **extra) -> openai.types.chat.ChatCompletion:
             return client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": content}],

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -42,8 +43,42 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    # Clients for tests and scripts, all on the one SSL context (these URLs are plain HTTP, but every httpx client,
+    # and so every openai/anthropic client and every httpx.get, would otherwise build its own).
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout, verify=ssl_context())
+
+    def async_client(self, timeout: float = 120.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=timeout, verify=ssl_context())
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        """``httpx.get(self.url + path, ...)``."""
+        return httpx.get(f"{self.url}{path}", verify=ssl_context(), **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        """``httpx.post(self.url + path, ...)``."""
+        return httpx.post(f"{self.url}{path}", verify=ssl_context(), **kwargs)
+
+    def openai(self, *, api_key: str = "x", **kwargs: Any) -> Any:
+        """An ``openai.OpenAI`` client of this server (no retries)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
+                             http_client=openai.DefaultHttpxClient(verify=ssl_context()), **kwargs)
+
+    def async_openai(self, *, api_key: str = "x", **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` client of this server (no retries)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
+                                  http_client=openai.DefaultAsyncHttpxClient(verify=ssl_context()), **kwargs)
+
+    def anthropic(self, *, api_key: str = "x", **kwargs: Any) -> Any:
+        """An ``anthropic.Anthropic`` client of this server (no retries)."""
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0,
+                                   http_client=anthropic.DefaultHttpxClient(verify=ssl_context()), **kwargs)
 
 
 @contextlib.contextmanager
