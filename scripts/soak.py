@@ -102,7 +102,7 @@ async def one(client: httpx.AsyncClient, server: Server, kind: str, rng: random.
 
 
 def counters(server: Server) -> dict:
-    s = httpx.get(f"{server.url}/v1/status", timeout=30).json()["plugins"]["mtp-routing"]
+    s = server.get("/v1/status", timeout=30).json()["plugins"]["mtp-routing"]
     a, t = s["admission"], s["text_engine"]
     return {"running": a["running"], "queued": a["queued"], "reserved_bytes": a["reserved_bytes"],
             "text_running": t["running"], "text_prefilling": t["prefilling"], "text_waiting": t["waiting"]}
@@ -119,7 +119,7 @@ async def drive(server: Server, n: int, concurrency: int, seed: int) -> tuple[li
 
     async def worker(i: int) -> None:
         wrng = random.Random(seed * 1000 + i)
-        async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
+        async with server.async_client(timeout=180) as client:
             while not queue.empty():
                 kind = queue.get_nowait()
                 try:
@@ -157,8 +157,8 @@ def main() -> int:
         while any(final.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
             final = counters(server)
-        health = httpx.get(f"{server.url}/health", timeout=10).status_code
-        cache = httpx.get(f"{server.url}/v1/status", timeout=30).json()["plugins"]["mtp-routing"]["prefix_cache"]
+        health = server.get("/health", timeout=10).status_code
+        cache = server.get("/v1/status", timeout=30).json()["plugins"]["mtp-routing"]["prefix_cache"]
         log = server.log()
     statuses = Counter(f"{k}:{s}" for k, s, _ in results)
     unexpected = [(k, s, d) for k, s, d in results if s not in EXPECTED[k]]
