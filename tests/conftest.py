@@ -60,10 +60,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ByWorkUnit(config, log)
 
 
+def _run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's folder that every xdist worker shares (the workers' common parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
-def vllm_mlx_fork_server() -> Iterator[None]:
+def vllm_mlx_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The suite's `vllm-mlx` servers and CLI runs fork from one process per worker that imported the host once
-    (testing/launcher.py): ~2 s of CPU less per run. VLLM_MLX_TEST_LAUNCHER=0 starts each as a plain subprocess."""
+    (testing/launcher.py): ~2 s of CPU less per run. VLLM_MLX_TEST_LAUNCHER=0 starts each as a plain subprocess.
+    Their prefill calibrations are kept for this run only (set before the fork server copies the environment)."""
+    from vllm_mlx_mtp_routing.text_engine.calibration_file import ENV_VAR
+
+    os.environ[ENV_VAR] = str(_run_dir(tmp_path_factory) / "prefill-calibration.json")
     launcher.enable()
     yield
     launcher.disable()
@@ -87,8 +97,7 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
 @pytest.fixture(scope="session")
 def tiny_vlm_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`factory(dtype="float32", placement="subdir") -> Path`, each pair built once per run (shared by the workers)."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny_vlm"  # the workers' common parent
+    root = _run_dir(tmp_path_factory) / "tiny_vlm"
 
     def factory(dtype: str = "float32", placement: str = "subdir") -> Path:
         root.mkdir(exist_ok=True)

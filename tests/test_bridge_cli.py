@@ -215,7 +215,7 @@ def test_empty_plugins_flag_exits_2() -> None:
     assert "argument --plugins: expected one or more plugin names" in result.stderr
 
 
-def test_flag_errors_name_the_flag_and_the_rule() -> None:
+def test_flag_errors_name_the_flag_and_the_rule(tmp_path: Path) -> None:
     result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--mtp-max-batch-size", "x")
     assert result.returncode == 2
     assert "argument --mtp-max-batch-size: must be an integer >= 1, got 'x'" in result.stderr
@@ -223,6 +223,9 @@ def test_flag_errors_name_the_flag_and_the_rule() -> None:
     assert result.returncode == 2 and "argument --scheduler-queue-timeout: must be a number of seconds > 0" in result.stderr
     result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--mtp-prompt-pairs", "0")
     assert result.returncode == 2 and "argument --mtp-prompt-pairs: must be an integer >= 1 or 'all', got 0" in result.stderr
+    (tmp_path / "a-file").write_text("")
+    result = run_cli("serve", "some-model", "--plugins", "mtp-routing", "--prefill-calibration-file", str(tmp_path / "a-file" / "c.json"))
+    assert result.returncode == 2 and "argument --prefill-calibration-file: cannot keep calibrations in" in result.stderr
 
 
 def test_serve_command_given_a_bare_namespace_uses_plugin_defaults() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import numpy as np
 import pytest
 
@@ -51,3 +54,53 @@ def test_calibration_picks_a_chunk_within_the_bounds(tiny_text) -> None:
     sched = BatchScheduler(model, tiny_text[1], max_num_seqs=2, prefill_step_size=2048)
     budget.apply(sched)
     assert sched.prefill_chunk == budget.chunk_tokens and sched.prefill_time_s[0] == pytest.approx(3.0)
+
+
+def test_a_stored_calibration_is_reused_only_for_the_same_weights_device_and_flags(tiny_text, tmp_path, caplog, monkeypatch) -> None:
+    from vllm_mlx_mtp_routing.text_engine import calibration_file as cf
+
+    model, _ = tiny_text
+    path = tmp_path / "calibration.json"
+
+    def get(weights="w", max_chunk=2048, **kw):
+        return cf.calibrated(model, max_chunk=max_chunk, ratio=3.0, vocab_size=1000, path=path, weights=weights, **kw)
+
+    first = get()
+    assert first.stored_at is None and len(json.loads(path.read_text())) == 1  # measured, then stored
+    caplog.set_level(logging.INFO, logger=cf.__name__)
+    again = get()
+    assert again.stored_at is not None and again.chunk_tokens == first.chunk_tokens
+    assert again.stats() == {**first.stats(), "stored_at": again.stored_at}  # the same numbers, not a new measurement
+    assert "as measured on" in caplog.text and "--prefill-recalibrate" in caplog.text
+    assert cf.calibrated(model, max_chunk=2048, ratio=3.0, vocab_size=1000, path=path).stored_at is None  # real weights
+    assert get(weights="other").stored_at is None  # other weights
+    assert get(max_chunk=1024).stored_at is None  # other flags
+    device = cf.device_identity()
+    monkeypatch.setattr(cf, "device_identity", lambda: {**device, "device_info": {"device_name": "another"}})
+    assert get().stored_at is None  # another device: measured, kept beside the first
+    monkeypatch.undo()
+    entries = json.loads(path.read_text())
+    assert len(entries) == 5
+    remeasured = get(remeasure=True)
+    assert remeasured.stored_at is None and len(json.loads(path.read_text())) == 5  # replaced, not added
+    assert get().stored_at is not None
+    assert cf.calibrated(model, max_chunk=2048, ratio=3.0, vocab_size=1000, path=None, weights="w").stored_at is None
+    assert cf.calibrated(model, max_chunk=2048, ratio=0, vocab_size=1000, path=path, weights="w").chunk_tokens == 2048
+
+
+def test_an_unusable_calibration_file_means_measuring(tiny_text, tmp_path, caplog) -> None:
+    from vllm_mlx_mtp_routing.errors import FlagError
+    from vllm_mlx_mtp_routing.text_engine import calibration_file as cf
+
+    model, _ = tiny_text
+    caplog.set_level(logging.WARNING, logger=cf.__name__)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert cf.calibrated(model, max_chunk=256, ratio=3.0, vocab_size=1000, path=broken, weights="w").stored_at is None
+    assert "unreadable" in caplog.text and len(json.loads(broken.read_text())) == 1  # rewritten whole
+    (tmp_path / "a-file").write_text("")
+    budget = cf.calibrated(model, max_chunk=256, ratio=3.0, vocab_size=1000, path=tmp_path / "a-file" / "c.json", weights="w")
+    assert budget.chunk_tokens >= MIN_CHUNK and "measured at every start" in caplog.text
+    assert cf.from_flag("none") is None and cf.from_flag(str(broken)) == broken
+    with pytest.raises(FlagError, match="--prefill-calibration-file"):
+        cf.from_flag(str(tmp_path / "a-file" / "c.json"))

@@ -1,7 +1,7 @@
 """--ssd-cache-dir through the real server on loopback: a system prompt cached by one server process
 is reused by the next one started on the same directory (the reused tokens in the response's usage,
-the disk tier's counters in /v1/status), with the same greedy answer as a server without any cache;
-a bad --ssd-cache-max-gb exits 2 naming the flag."""
+the disk tier's counters in /v1/status), with the same greedy answer as a server without any cache, and
+the prefill calibration of the first reused; a bad --ssd-cache-max-gb exits 2 naming the flag."""
 
 from __future__ import annotations
 
@@ -23,9 +23,13 @@ def _ask(server, question: str):
     return r.choices[0].message.content, cached
 
 
-def _prefix_cache(server) -> dict:
+def _status(server) -> dict:
     with server.client() as c:
-        return c.get("/v1/status").json()["plugins"]["mtp-routing"]["prefix_cache"]
+        return c.get("/v1/status").json()["plugins"]["mtp-routing"]
+
+
+def _prefix_cache(server) -> dict:
+    return _status(server)["prefix_cache"]
 
 
 def test_a_restarted_server_reuses_the_system_prompt_from_disk(tiny_vlm_fp32, tmp_path):
@@ -37,6 +41,8 @@ def test_a_restarted_server_reuses_the_system_prompt_from_disk(tiny_vlm_fp32, tm
         assert disk["enabled"] and disk["written"] >= 1 and disk["budget_bytes"] == 10**9
     with serve(tiny_vlm_fp32, *BASE, *ssd, log_dir=tmp_path) as server:
         assert _prefix_cache(server)["entries"] == 0  # a new process: nothing in memory
+        # nor does it measure its prefill chunk again: the first server's (or an earlier one's) is reused
+        assert "as measured on" in server.log() and _status(server)["prefill"]["stored_at"]
         answer, cached = _ask(server, "Does compaction hold the write lock?")
         stats = _prefix_cache(server)
         assert cached > 100 and stats["disk_hits"] == 1 and stats["disk"]["loaded"] == 1

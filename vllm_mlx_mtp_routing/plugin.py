@@ -15,6 +15,7 @@ from .engine_decorator import find_decorator
 from .errors import RequestRejected
 from .flag_types import count_or_all, int_at_least, non_negative
 from .text_engine.mtp_decode import DEFAULT_PROMPT_PAIRS
+from .text_engine import calibration_file
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
@@ -36,6 +37,8 @@ class _State:
     mtp_max_batch_size: int | None = None
     mtp_prompt_pairs: int | None = DEFAULT_PROMPT_PAIRS
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
+    calibration_file: Path | None = None  # --prefill-calibration-file (None: 'none')
+    recalibrate: bool = False
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None
     warm_prompts: str | None = None
     vocab_size: int | None = None  # the loaded model's, for logit_bias ids
@@ -84,6 +87,20 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         f"decode steps (default {DEFAULT_STALL_RATIO:g}), so running streams and /health keep their cadence while a "
         "long prompt prefills; capped by --prefill-step-size. 0: chunks of --prefill-step-size tokens.",
     )
+    group.add_argument(
+        "--prefill-calibration-file",
+        default=None,
+        metavar="PATH|none",
+        help="Text path: where the chunk measured at start is kept and reused by later starts with the same model "
+        "weights, device, library versions and prefill flags (default $VLLM_MLX_PREFILL_CALIBRATION_FILE, else "
+        "~/.cache/vllm-mlx-mtp-routing/prefill-calibration.json); 'none': measure at every start, keep nothing.",
+    )
+    group.add_argument(
+        "--prefill-recalibrate",
+        action="store_true",
+        help="Text path: measure the prefill chunk at this start even if --prefill-calibration-file has one, and "
+        "replace it there (after a change of load or hardware the stored one no longer describes).",
+    )
     admission.add_arguments(group)
 
 
@@ -94,6 +111,8 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.mtp_max_batch_size = args.mtp_max_batch_size
     STATE.mtp_prompt_pairs = getattr(args, "mtp_prompt_pairs", DEFAULT_PROMPT_PAIRS)
     STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
+    STATE.calibration_file = calibration_file.from_flag(getattr(args, "prefill_calibration_file", None))
+    STATE.recalibrate = bool(getattr(args, "prefill_recalibrate", False))
     STATE.prefix_cache = prefix_settings.from_args(args)
     STATE.warm_prompts = getattr(args, "warm_prompts", None)
     STATE.specprefill = specprefill_flags.from_args(args)
@@ -219,12 +238,11 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
             Path(info.model_path).name, bundle.mtp_unavailable_reason, NO_MTP_HINT,
         )
         router.mtp_decode = MTPUnavailable(str(bundle.mtp_unavailable_reason))
-    from .text_engine.prefill_budget import calibrate
-
     vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
     STATE.vocab_size = vocab
-    router.prefill_budget = calibrate(
-        bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab
+    router.prefill_budget = calibration_file.calibrated(
+        bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab,
+        path=STATE.calibration_file, remeasure=STATE.recalibrate,
     )
     prefix_cache = _prefix_cache(bundle.model, router, with_head=bundle.mtp is not None)
     text_engine = TextEngine(

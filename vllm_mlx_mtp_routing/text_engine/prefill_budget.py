@@ -52,6 +52,7 @@ class PrefillBudget:
     per_token_s: float  # b
     calibration_s: float
     probe_tokens: int = PROBE_LARGE  # the larger calibration probe (grown where 24 tokens cost no more than 8)
+    stored_at: str | None = None  # when it was measured, if read from --prefill-calibration-file (calibration_file.py)
 
     @property
     def target_s(self) -> float:
