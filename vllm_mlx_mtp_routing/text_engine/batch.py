@@ -50,6 +50,7 @@ from .detokenize import eos_ids_of
 from .footprint import engine_memory_model
 from .outputs import TextOutput
 from .rows import DecodeBatch, PrefillState, Row, TextRequest
+from .. import gc_pauses
 from .step_profile import StepProfile, StepRecord
 
 __all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
@@ -317,6 +318,7 @@ class BatchScheduler:
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "slowest_steps": self.profile.slowest(),
+            "garbage_collector": gc_pauses.stats(),
             "cache_bytes": self.batch.nbytes,
             **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,

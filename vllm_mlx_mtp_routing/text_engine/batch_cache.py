@@ -110,8 +110,11 @@ class RaggedKVCache(BaseCache):
     # grew alone) is read as a slice, without the gather's copy: see _read.
     slice_single_run = True
     # What one more attention call costs, in key positions read per row (length_groups.plan_groups);
-    # 0 turns the grouping off. A GPU call is launches worth tens of thousands of positions.
-    group_overhead = 32768 if mx.default_device() == mx.gpu else 1024
+    # 0: one call always. On the CPU a 16K row's join step took 0.64x the single call's time. On an
+    # H100 at the Qwen3.5-2B shape the single call read four 300-token rows at the 16K row's span
+    # for 1.07x their own step, and the split's extra launches cost more (1.13-1.18x the single
+    # call; BENCHMARKS.md section 7, benchmarks/join_step.py): off on GPUs.
+    group_overhead = 0 if mx.default_device() == mx.gpu else 1024
 
     def __init__(self, whole_buffer: bool | None = None, shared: StepArrays | None = None) -> None:
         self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
