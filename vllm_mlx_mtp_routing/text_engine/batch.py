@@ -307,11 +307,12 @@ class BatchScheduler:
             draft_tokens=getattr(self.decode, "k", 0) if self.decode.head_layers else 0,
         )
 
+    def counts(self) -> dict[str, int]:
+        return {"running": len(self.running), "prefilling": len(self.prefilling), "waiting": len(self.waiting)}
+
     def stats(self) -> dict[str, Any]:
         return {
-            "running": len(self.running),
-            "prefilling": len(self.prefilling),
-            "waiting": len(self.waiting),
+            **self.counts(),
             "steps": self.steps,
             "prompt_tokens_processed": self.prompt_tokens,
             "shared_prefill_rows": self.shared_prefill_rows,

@@ -168,6 +168,11 @@ class TextEngine:
     def specprefill(self) -> Any:
         return self.scheduler.specprefill
 
+    def counts(self) -> dict[str, int]:
+        """Rows running, prefilling and waiting: what ``/health`` asks for, polled often, without the
+        rest of ``stats``."""
+        return self.scheduler.counts()
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         s["step_seconds_total"] = round(self._step_seconds, 3)
