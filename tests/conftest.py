@@ -48,6 +48,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.fixture
+def gc_heap_unfrozen() -> Iterator[None]:
+    """For tests of the collector itself: the worker's heap back in its scans (a full collection walks it), frozen
+    again afterwards."""
+    gc.unfreeze()
+    yield
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed the suite runs in one process
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadScopeScheduling

@@ -96,6 +96,9 @@ def test_n_sampled_choices_differ_and_reproduce(server: Server, client: openai.O
     engine = after["text_engine"]
     assert engine["shared_prefill_rows"] - before["text_engine"]["shared_prefill_rows"] == 6  # 2 per n=3 request
     assert engine["running"] == engine["prefilling"] == engine["waiting"] == 0 and after["admission"]["running"] == 0
+    # the server froze its start-up heap (the model, the host, their libraries) out of the collector's scans
+    assert engine["garbage_collector"]["frozen_objects"] > 10_000
+    assert all("gc_s" in s and "gc_before_s" in s for s in engine["slowest_steps"])
 
 
 def test_n_completions_equal_the_engine_and_greedy_equals_without_mtp(server, client, reference) -> None:

@@ -56,3 +56,40 @@ def test_waiting_for_work_after_the_last_stream_ended_is_nobodys_gap():
     profile.begin(1)
     profile.end(streams_waiting=True)
     assert [s["since_previous_s"] for s in profile.slowest() if s["step"] == 1] == [0.0]
+
+
+def test_a_collection_during_a_step_or_before_it_is_counted_as_the_garbage_collectors(gc_heap_unfrozen):
+    import gc
+
+    junk = [[i] for i in range(200_000)]  # containers for the collector to walk
+    profile = StepProfile()
+    profile.begin(0)
+    profile.end(streams_waiting=True)
+    gc.collect()  # between steps: the event loop's share
+    record = profile.begin(1)
+    gc.collect()
+    profile.end(streams_waiting=True)
+    del junk
+    step = next(s for s in profile.slowest() if s["step"] == 1)
+    assert 0 < step["gc_s"] <= step["total_s"]
+    assert 0 < step["gc_before_s"] <= step["since_previous_s"]
+    assert round(record.gc_s, 4) == step["gc_s"]
+
+
+def test_freezing_the_start_up_heap_takes_it_out_of_later_scans(caplog, gc_heap_unfrozen):
+    import gc
+    import logging
+
+    from vllm_mlx_mtp_routing import gc_pauses
+
+    keep = [[i] for i in range(100_000)]  # alive for the server's life, as a loaded model's objects are
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm_mlx_mtp_routing.gc_pauses"):
+            gc_pauses.freeze_startup_heap()
+        assert gc.get_freeze_count() >= len(keep)
+        assert "start-up objects frozen out of the garbage collector's scans" in caplog.text
+        before = gc_pauses.stats()["collections"]
+        gc.collect()
+        assert gc_pauses.stats()["collections"] == before + 1 and gc_pauses.stats()["frozen_objects"] >= len(keep)
+    finally:
+        gc.unfreeze()

@@ -12,7 +12,8 @@
   ``ArraysCache`` (gated-delta [conv, recurrent] state, batch on axis 0), ``KVCache``.
 - ``mlx_lm.models.base``: ``create_attention_mask`` / ``create_ssm_mask``, ``scaled_dot_product_attention``;
   ``Qwen3NextAttention``'s projections, norms and ``rope`` (SpecPrefill rotates kept tokens at their
-  own positions).
+  own positions; the grouped attention runs its ``__call__`` with the attention call split by row
+  length, text_engine/grouped_attention.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel, gated_delta_update
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, TextModel, TextModelArgs
+from mlx_lm.models.qwen3_next import Qwen3NextAttention as Attention
 
 __all__ = [
     "ArraysCache",
+    "Attention",
     "BaseCache",
     "DecoderLayer",
     "GatedDeltaNet",

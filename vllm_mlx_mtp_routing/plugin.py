@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__, admission
+from . import __version__, admission, gc_pauses
 from .prefix_cache import settings as prefix_settings
 from .engine_decorator import find_decorator
 from .errors import RequestRejected
@@ -265,7 +265,9 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
 
     logprobs_response.install()
     router.prompts = PromptPreparer.create(info.tokenizer)
-    return router.start_text_path(text_engine)
+    started = router.start_text_path(text_engine)
+    gc_pauses.freeze_startup_heap()
+    return started
 
 
 def _specprefill(router: RoutingEngine, info: ModelInfo) -> Any:

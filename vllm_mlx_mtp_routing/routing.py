@@ -400,7 +400,7 @@ class RoutingEngine(EngineDecorator):
         """The host's stats with the text path's requests counted in (``/health``, ``/v1/status``)."""
         stats = dict(self.wrapped.get_stats())
         if self.text_engine is not None:
-            text = self.text_engine.stats()
+            text = self.text_engine.counts()
             stats["num_running"] = int(stats.get("num_running") or 0) + text["running"] + text["prefilling"]
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + text["waiting"]
         if self.admission is not None:

@@ -55,6 +55,7 @@ from .checkpoint_layouts import (
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
 from .skinny_matmul import use_skinny_matmul
+from .text_engine.grouped_attention import use_grouped_attention
 
 logger = logging.getLogger(__name__)
 
@@ -405,6 +406,9 @@ def build_text_model(
     head, loaded, reason = (None, None, "MTP not enabled")
     if enable_mtp:
         head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
+    use_grouped_attention(model)
+    if head is not None:
+        use_grouped_attention(head)
     if skinny := use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0):
         logger.info("TextModel: %d linear layers run the few-row CUDA matmul at 2-8 rows", skinny)
     extra = mx.get_active_memory() - before

@@ -50,6 +50,7 @@ from .detokenize import eos_ids_of
 from .footprint import engine_memory_model
 from .outputs import TextOutput
 from .rows import DecodeBatch, PrefillState, Row, TextRequest
+from .. import gc_pauses
 from .step_profile import StepProfile, StepRecord
 
 __all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
@@ -306,17 +307,19 @@ class BatchScheduler:
             draft_tokens=getattr(self.decode, "k", 0) if self.decode.head_layers else 0,
         )
 
+    def counts(self) -> dict[str, int]:
+        return {"running": len(self.running), "prefilling": len(self.prefilling), "waiting": len(self.waiting)}
+
     def stats(self) -> dict[str, Any]:
         return {
-            "running": len(self.running),
-            "prefilling": len(self.prefilling),
-            "waiting": len(self.waiting),
+            **self.counts(),
             "steps": self.steps,
             "prompt_tokens_processed": self.prompt_tokens,
             "shared_prefill_rows": self.shared_prefill_rows,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "slowest_steps": self.profile.slowest(),
+            "garbage_collector": gc_pauses.stats(),
             "cache_bytes": self.batch.nbytes,
             **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,

@@ -15,6 +15,7 @@ single-sequence generation does. Rows are joined and dropped here by concatenati
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -22,10 +23,30 @@ import mlx.nn as nn
 from ..backbone import Captured, rollback_rows, zero_state
 from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
 from .kv_gather import gather_rows
+from .length_groups import plan_groups
 
 
 def _round_up(n: int, step: int) -> int:
     return max(step, (n + step - 1) // step * step)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows that share one attention call (grouped_attention.py)."""
+
+    rows: tuple[int, ...]
+    index: mx.array  # the rows as an array: selects their queries, mask and read positions
+    span: int  # key positions the call reads
+
+
+def _plan(spans: list[int], overhead: int) -> tuple[list[RowGroup], mx.array] | None:
+    groups = plan_groups(spans, overhead)
+    if len(groups) == 1:
+        return None
+    order = [i for rows in groups for i in rows]
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    calls = [RowGroup(tuple(rows), mx.array(rows, dtype=mx.int32), max(spans[i] for i in rows)) for rows in groups]
+    return calls, mx.array(inverse, dtype=mx.int32)
 
 
 class StepArrays:
@@ -41,7 +62,7 @@ class StepArrays:
     entries, enough for one step's layers; an entry keyed by identity holds its sources, so an
     ``id`` is never reused while its entry lives."""
 
-    _KEEP = 8
+    _KEEP = 16
 
     def __init__(self) -> None:
         self._memo: dict[tuple, tuple] = {}
@@ -88,6 +109,12 @@ class RaggedKVCache(BaseCache):
     # One row whose blocks are one run of the pool (a lone row after a compaction, or one that
     # grew alone) is read as a slice, without the gather's copy: see _read.
     slice_single_run = True
+    # What one more attention call costs, in key positions read per row (length_groups.plan_groups);
+    # 0: one call always. On the CPU a 16K row's join step took 0.64x the single call's time. On an
+    # H100 at the Qwen3.5-2B shape the single call read four 300-token rows at the 16K row's span
+    # for 1.07x their own step, and the split's extra launches cost more (1.13-1.18x the single
+    # call; BENCHMARKS.md section 7, benchmarks/join_step.py): off on GPUs.
+    group_overhead = 0 if mx.default_device() == mx.gpu else 1024
 
     def __init__(self, whole_buffer: bool | None = None, shared: StepArrays | None = None) -> None:
         self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
@@ -97,7 +124,8 @@ class RaggedKVCache(BaseCache):
         self._free: list[int] = []  # free block ids, popped from the end
         self._tables: list[list[int]] = []  # per row: its block ids, in position order
         self._index = mx.zeros((0, 1), dtype=mx.int32)  # see _sync_table
-        self._run: int | None = None  # the first slot of a lone row's blocks when they are one run
+        self._runs: list[int | None] = []  # per row: the first slot of its blocks when they are one run
+        self._run: int | None = None  # the same for a lone row
         self._lengths: list[int] = []
         # Positions skipped per row (``skip_rows``): a row's RoPE offset is lengths[i] + shift[i].
         self._shift: list[int] = []
@@ -183,15 +211,16 @@ class RaggedKVCache(BaseCache):
         """Rebuild the slot index of every row's positions (only when some row's blocks change:
         at most once per ``block`` tokens per row), so a step reads and writes with one index
         op each instead of rebuilding it per layer and per step."""
-        self._index = self._shared.get(("index", *map(tuple, self._tables)), self._make_index)
-        t = self._tables[0] if len(self._tables) == 1 else None
-        self._run = t[0] * self.block if t and t == list(range(t[0], t[0] + len(t))) else None
+        self._index, self._runs = self._shared.get(("index", *map(tuple, self._tables)), self._make_index)
+        self._run = self._runs[0] if len(self._runs) == 1 else None
 
-    def _make_index(self) -> mx.array:
+    def _make_index(self) -> tuple[mx.array, list[int | None]]:
         width = max((len(t) for t in self._tables), default=0) or 1
         table = mx.array([t + [0] * (width - len(t)) for t in self._tables] or [[0]], dtype=mx.int32)
         # [i, p]: the pool slot of row i's position p (past its blocks: the zero block)
-        return (table[:, :, None] * self.block + mx.arange(self.block, dtype=mx.int32)).reshape(table.shape[0], -1)
+        index = (table[:, :, None] * self.block + mx.arange(self.block, dtype=mx.int32)).reshape(table.shape[0], -1)
+        runs = [t[0] * self.block if t and t == list(range(t[0], t[0] + len(t))) else None for t in self._tables]
+        return index, runs
 
     def _grow(self, need: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype) -> None:
         """Make at least ``need`` blocks free (zeros, never garbage: masked slots still enter the
@@ -286,6 +315,10 @@ class RaggedKVCache(BaseCache):
     # -- the attention layer's interface ------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return self._read(self._visible(self.write(keys, values)))
+
+    def write(self, keys: mx.array, values: mx.array) -> int:
+        """Store the step's keys/values ([B, H, S, D]) after each row's own; the longest row's new length."""
         B, H, S, Dk = keys.shape
         ends = [n + S for n in self._lengths]
         self._zero(self._reserve(ends, H, Dk, values.shape[3], keys.dtype))
@@ -305,18 +338,39 @@ class RaggedKVCache(BaseCache):
             self._pool_v, idx, values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3]), axis=1
         )
         self._set_lengths(ends)
-        return self._read(self._visible(max(ends, default=0)))
+        return max(ends, default=0)
 
     def _read(self, n: int) -> tuple[mx.array, mx.array]:
         """The rows' keys and values at positions 0..n-1, as attention reads them."""
-        run = self._run
-        if self.slice_single_run and run is not None and run + n <= self._pool_k.shape[1]:
-            # Positions past the row's blocks read whatever the pool holds there: finite (zeros or
-            # keys of rows gone), and masked.
-            return self._pool_k[None, :, run : run + n], self._pool_v[None, :, run : run + n]
-        return self._gather(self._pool_k, self._pool_v, self._positions(n))
+        return self._slice(self._run, n) or self._gather(self._pool_k, self._pool_v, self._positions(n))
+
+    def _slice(self, run: int | None, n: int) -> tuple[mx.array, mx.array] | None:
+        """One row's positions 0..n-1 as a view of the pool, where its blocks are one run. Positions
+        past the row's blocks read whatever the pool holds there: finite (zeros or keys of rows
+        gone), and masked."""
+        if not self.slice_single_run or run is None or run + n > self._pool_k.shape[1]:
+            return None
+        return self._pool_k[None, :, run : run + n], self._pool_v[None, :, run : run + n]
 
     _gather = staticmethod(gather_rows)  # [B, H, n, D] keys and values: each row's run of a head contiguous
+
+    def groups(self, S: int) -> tuple[list[RowGroup], mx.array] | None:
+        """How attention should read the rows once each holds S more tokens: (a group per call,
+        the permutation that puts the calls' concatenated outputs back in row order), or None for
+        one call over every row (length_groups.plan_groups; the same for every layer of the
+        batch, so planned once per step)."""
+        if len(self._lengths) < 2 or not self.group_overhead:
+            return None
+        spans = [self._visible(n + S) for n in self._lengths]
+        return self._shared.get(("groups", self.group_overhead, *spans), lambda: _plan(spans, self.group_overhead))
+
+    def read_rows(self, group: RowGroup) -> tuple[mx.array, mx.array]:
+        """The group's keys and values at positions 0..span-1 ([rows, H, span, D])."""
+        if len(group.rows) == 1 and (view := self._slice(self._runs[group.rows[0]], group.span)):
+            return view
+        idx = self._positions(group.span)
+        rows = self._shared.get(("rows", id(idx), id(group.index)), lambda: idx[group.index], idx, group.index)
+        return self._gather(self._pool_k, self._pool_v, rows)
 
     # -- rows -----------------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 ``prefill_budget.calibrate`` times the loaded model at every start: a fraction of a second for a small model on
 a GPU, seconds for a large quantized one on a CPU, and each start measures a slightly different chunk under a
 different load, so a restarted server could cut prompts at other chunk boundaries. A start that finds a
-calibration measured for the same weights (the prefix cache's disk fingerprint), device, library versions,
-``--prefill-step-size`` and ``--prefill-stall-ratio`` reuses it: the same chunk across restarts.
+calibration measured for the same weights (the prefix cache's disk fingerprint), device, library versions, plugin
+code, ``--prefill-step-size`` and ``--prefill-stall-ratio`` reuses it: the same chunk across restarts.
 ``--prefill-recalibrate`` measures again and replaces it; ``--prefill-calibration-file none`` keeps nothing.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -56,14 +57,25 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+@functools.cache
+def _plugin_code() -> str:
+    """A hash of this package's source: a change of the engine's forward or of the calibration measures again."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def device_identity() -> dict[str, Any]:
-    """What the timings depend on besides the model: the device, the CPUs this process may use, the libraries."""
+    """What the timings depend on besides the model: the device, the CPUs this process may use, the libraries (and
+    this plugin's code)."""
     info: dict[str, Any] = {}
     with contextlib.suppress(Exception):  # older MLX, or a backend without it
         info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"device": str(mx.default_device()), "device_info": info, "machine": platform.machine(), "cpu": _cpu_model(),
-            "cpus": cpus, "versions": {name: _version(name) for name in _PACKAGES}}
+            "cpus": cpus, "versions": {name: _version(name) for name in _PACKAGES}, "plugin_code": _plugin_code()}
 
 
 def calibration_key(weights: str, *, max_chunk: int, ratio: float, device: dict[str, Any]) -> str:

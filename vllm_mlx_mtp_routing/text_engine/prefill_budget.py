@@ -97,7 +97,10 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
 
     def timed_prefill(n: int) -> float:
         prefill(n)  # warm-up per shape: first-call compilation and buffer allocation
-        return median_seconds(lambda: prefill(n), 2)
+        # The faster of two: noise only ever adds time, and one slow probe (a GPU still planning or
+        # clocking up at start-up) read into the median of two made the chunk 80 tokens on one start
+        # of an H100 server and 368-1536 on others (BENCHMARKS.md section 7).
+        return min(median_seconds(lambda: prefill(n), 1) for _ in range(2))
 
     small = timed_prefill(PROBE_SMALL)
     probe_large = PROBE_LARGE

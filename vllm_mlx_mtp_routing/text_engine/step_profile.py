@@ -7,7 +7,8 @@ are reported. MLX evaluates lazily: work queued by one part (a join's cache copi
 part that next evaluates it, so a part's time is what ran while it ran. ``since_previous_s`` is the
 time from the previous step's end to this one's start: the event loop's other work (HTTP, request
 preparation); 0 after a step that left no row decoding. Steps are ranked by ``gap_s``, the two
-together: how long a running stream waited for this step's token.
+together: how long a running stream waited for this step's token. ``gc_s`` / ``gc_before_s``: the
+garbage collector's share of the step and of the time before it (gc_pauses.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from .. import gc_pauses
 
 
 @dataclass
@@ -32,6 +35,8 @@ class StepRecord:
     decode_s: float = 0.0
     total_s: float = 0.0
     since_previous_s: float = 0.0
+    gc_s: float = 0.0
+    gc_before_s: float = 0.0
 
     @property
     def gap_s(self) -> float:
@@ -57,10 +62,15 @@ class StepProfile:
         self.current: StepRecord | None = None
         self._started = 0.0
         self._ended = 0.0
+        self._gc_at_start = 0.0
+        self._gc_at_end = 0.0
 
     def begin(self, step: int) -> StepRecord:
         self._started = time.perf_counter()
+        self._gc_at_start = gc_pauses.collection_s()
         self.current = StepRecord(step, since_previous_s=self._started - self._ended if self._ended else 0.0)
+        if self._ended:
+            self.current.gc_before_s = self._gc_at_start - self._gc_at_end
         return self.current
 
     def end(self, streams_waiting: bool) -> None:
@@ -69,7 +79,9 @@ class StepProfile:
         if self.current is not None:
             now = time.perf_counter()
             self._ended = now if streams_waiting else 0.0
+            self._gc_at_end = gc_pauses.collection_s()
             self.current.total_s = now - self._started
+            self.current.gc_s = self._gc_at_end - self._gc_at_start
             self._recent.append(self.current)
             self.current = None
 

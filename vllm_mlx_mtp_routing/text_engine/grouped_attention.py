@@ -1,0 +1,56 @@
+"""Attention over a ragged batch in calls of rows of similar length.
+
+mlx-lm's attention layer reads the whole batch's keys in one call, so every row reads the longest
+row's span. Over a ``RaggedKVCache`` this layer asks the cache how to split the rows
+(``RaggedKVCache.groups``, length_groups.py) and, where a split pays, runs one attention call per
+group over that group's own span: a 16K-token row beside four chats no longer makes the chats read
+16K positions. Everything else is mlx-lm's ``Qwen3NextAttention.__call__`` (mlx-lm 0.31.3), line
+for line; a row's queries, keys and mask are the same, and its scores past its own length were
+masked before, so its output is the one the single call gave.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..mlx_lm_internals import Attention
+from .batch_cache import RaggedKVCache
+
+
+class GroupedAttention(Attention):
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        plan = cache.groups(x.shape[1]) if isinstance(cache, RaggedKVCache) else None
+        if plan is None or isinstance(mask, str):
+            return super().__call__(x, mask=mask, cache=cache)
+        B, L, _ = x.shape
+        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        keys, values = self.k_proj(x), self.v_proj(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        cache.write(keys, values)
+        calls, inverse = plan
+        outputs = []
+        for group in calls:
+            k, v = cache.read_rows(group)
+            m = None if mask is None else mask[group.index][..., : group.span]
+            outputs.append(mx.fast.scaled_dot_product_attention(queries[group.index], k, v, scale=self.scale, mask=m))
+        output = mx.concatenate(outputs)[inverse]
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output * mx.sigmoid(gate))
+
+
+def use_grouped_attention(model: nn.Module) -> int:
+    """Give every mlx-lm attention layer under ``model`` the grouped call; how many changed."""
+    n = 0
+    for _, module in model.named_modules():
+        if type(module) is Attention:
+            module.__class__ = GroupedAttention
+            n += 1
+    return n
