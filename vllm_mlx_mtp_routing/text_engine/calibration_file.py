@@ -35,10 +35,14 @@ ENV_VAR = "VLLM_MLX_PREFILL_CALIBRATION_FILE"
 _PACKAGES = ("mlx", "mlx-lm", "mlx-vlm", "vllm-mlx", "vllm-mlx-mtp-routing")
 
 
-def default_path() -> Path:
+def default_path() -> Path | None:
     if value := os.environ.get(ENV_VAR):
         return Path(value)
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    try:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError:  # no home directory to be found
+        logger.warning("mtp-routing: no home directory for the prefill calibration file: it is measured at every start")
+        return None
     return Path(cache) / "vllm-mlx-mtp-routing" / "prefill-calibration.json"
 
 
@@ -153,12 +157,13 @@ def from_flag(value: str | None) -> Path | None:
 
     if value is not None and value.strip().lower() == "none":
         return None
-    path = Path(value) if value else default_path()
-    if value:  # the default may sit in a read-only home: that start measures and says so, it does not fail
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.is_dir() or not os.access(path.parent, os.W_OK):
-                raise PermissionError("not a writable file path")
-        except OSError as exc:
-            raise FlagError("--prefill-calibration-file", f"cannot keep calibrations in {value!r}: {exc}") from exc
+    if not value:  # the default may sit in a read-only home: that start measures and says so, it does not fail
+        return default_path()
+    path = Path(value)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir() or not os.access(path.parent, os.W_OK):
+            raise PermissionError("not a writable file path")
+    except OSError as exc:
+        raise FlagError("--prefill-calibration-file", f"cannot keep calibrations in {value!r}: {exc}") from exc
     return path
