@@ -88,7 +88,7 @@ def test_a_stored_calibration_is_reused_only_for_the_same_weights_device_and_fla
     assert cf.calibrated(model, max_chunk=2048, ratio=0, vocab_size=1000, path=path, weights="w").chunk_tokens == 2048
 
 
-def test_an_unusable_calibration_file_means_measuring(tiny_text, tmp_path, caplog) -> None:
+def test_an_unusable_calibration_file_means_measuring_and_the_file_stays_small(tiny_text, tmp_path, caplog, monkeypatch) -> None:
     from vllm_mlx_mtp_routing.errors import FlagError
     from vllm_mlx_mtp_routing.text_engine import calibration_file as cf
 
@@ -102,5 +102,9 @@ def test_an_unusable_calibration_file_means_measuring(tiny_text, tmp_path, caplo
     budget = cf.calibrated(model, max_chunk=256, ratio=3.0, vocab_size=1000, path=tmp_path / "a-file" / "c.json", weights="w")
     assert budget.chunk_tokens >= MIN_CHUNK and "measured at every start" in caplog.text
     assert cf.from_flag("none") is None and cf.from_flag(str(broken)) == broken
+    monkeypatch.setattr(cf, "KEEP", 2)  # the newest entries are kept
+    for weights in ("x", "y"):
+        cf.calibrated(model, max_chunk=256, ratio=3.0, vocab_size=1000, path=broken, weights=weights)
+    assert len(json.loads(broken.read_text())) == 2
     with pytest.raises(FlagError, match="--prefill-calibration-file"):
         cf.from_flag(str(tmp_path / "a-file" / "c.json"))

@@ -32,6 +32,7 @@ from .prefill_budget import MIN_CHUNK, PROBE_LARGE, PROBE_SMALL, PrefillBudget, 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "VLLM_MLX_PREFILL_CALIBRATION_FILE"
+KEEP = 64
 _PACKAGES = ("mlx", "mlx-lm", "mlx-vlm", "vllm-mlx", "vllm-mlx-mtp-routing")
 
 
@@ -88,13 +89,14 @@ def calibration_key(weights: str, *, max_chunk: int, ratio: float, device: dict[
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path, *, quiet: bool = False) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        logger.warning("mtp-routing: prefill calibration file %s unreadable (%s): measuring", path, exc)
+        if not quiet:
+            logger.warning("mtp-routing: prefill calibration file %s unreadable (%s): measuring", path, exc)
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -109,12 +111,15 @@ def _budget(entry: Any) -> PrefillBudget | None:
 
 
 def _store(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key``, keeping what other servers stored meanwhile (a lock beside the file)."""
+    """Add ``entry`` under ``key``, keeping what other servers stored meanwhile (a lock beside the file) and the
+    ``KEEP`` most recent entries (each upgrade or model adds one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        entries = _read(path)
+        entries = _read(path, quiet=True)
         entries[key] = entry
+        newest = sorted(entries, key=lambda k: str(entries[k].get("measured_at", "")) if isinstance(entries[k], dict) else "")
+        entries = {k: entries[k] for k in newest[-KEEP:]}
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
