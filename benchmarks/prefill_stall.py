@@ -60,7 +60,11 @@ def long_prompt(model: Path, tokens: int) -> str:
 async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float,
                   extra: dict | None = None, max_tokens: int = 1, expect: int = 200) -> dict:
     """``extra``: fields added to the long prompt's request body (e.g. ``specprefill``); ``expect``: its status."""
+    # A stream's frames, one per engine step that gave it tokens. A token that releases no text on its
+    # own (a byte of an unfinished UTF-8 character: ~2% of a random-weight model's tokens) comes in a
+    # frame without content, so gaps between content frames alone ("text" gaps) can span two steps.
     arrivals: list[list[float]] = [[] for _ in range(streams)]
+    text_arrivals: list[list[float]] = [[] for _ in range(streams)]
     stop = asyncio.Event()
 
     async def stream(client: httpx.AsyncClient, i: int) -> None:
@@ -68,8 +72,11 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
                 "max_tokens": 4000, "temperature": 0, "stream": True}
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"content"' in line:
-                    arrivals[i].append(time.perf_counter())
+                if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
+                    now = time.perf_counter()
+                    arrivals[i].append(now)
+                    if '"content"' in line:
+                        text_arrivals[i].append(now)
                 if stop.is_set():
                     return
 
@@ -109,6 +116,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
     starved = [t1 - arr[-1] for arr in arrivals if arr and arr[-1] < t1]  # streams with no token after a stall
     overlapping = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b > t0 and a < t1]
     lat = [d for tic, d in health if t0 <= tic <= t1]
+    text_during = [b - a for arr in text_arrivals for a, b in zip(arr, arr[1:]) if t0 <= b <= t1 + 0.5]
     # the engine's own account of its slowest recent steps (a window of 256 steps: warm the streams past it,
     # --warm-tokens, so that only this round's steps are in it)
     status = httpx.get(f"{url}/v1/status", timeout=30).json().get("plugins", {}).get("mtp-routing", {})
@@ -121,6 +129,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         "window_gap_s": round(max(overlapping + starved), 4),  # gaps overlapping the request, from its send to its answer
         "gap_p99_s": round(sorted(during)[int(0.99 * (len(during) - 1))], 4) if during else None,
         "gaps_during_prefill": len(during),
+        "longest_text_gap_s": round(max(text_during), 4) if text_during else None,  # content frames only (see above)
         "health_max_s": round(max(lat), 4) if lat else None,
         "health_median_s": round(statistics.median(lat), 4) if lat else None,
         "health_polls": len(lat),

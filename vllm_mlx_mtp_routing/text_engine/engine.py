@@ -27,9 +27,6 @@ from .shared_prefill import SharedPrefill
 logger = logging.getLogger(__name__)
 
 _YIELDS_PER_STEP = 5  # as vllm-mlx 0.6.0 mllm_scheduler._process_loop: an HTTP request needs ~3
-# After those, the loop keeps yielding (at most this long) until every stream that was waiting for this
-# step's output has taken it through the host's layers and asked for its next one; see _let_streams_write.
-_WRITE_WAIT_S = 0.005
 
 
 class TextEngineError(RuntimeError):
@@ -64,7 +61,6 @@ class TextEngine:
             specprefill=specprefill,
         )
         self._queues: dict[str, asyncio.Queue[TextOutput]] = {}
-        self._unwritten: set[str] = set()  # requests given an output their stream has not taken through yet
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._step_seconds = 0.0
@@ -131,14 +127,12 @@ class TextEngine:
         finished = False
         try:
             while not finished:
-                self._unwritten.discard(request_id)  # the last output went out: the consumer asks for more
                 out = await queue.get()
                 finished = out.finished
                 if out.finish_reason == "error":
                     raise TextEngineError(request_id, out.error or "unknown error")
                 yield out
         finally:
-            self._unwritten.discard(request_id)
             if not finished:
                 await self.abort(request_id)
             self._queues.pop(request_id, None)
@@ -160,7 +154,6 @@ class TextEngine:
             self._deliver(out)
         if forget:
             self._queues.pop(request_id, None)
-            self._unwritten.discard(request_id)
         return out is not None
 
     def memory_model(self) -> MemoryModel:
@@ -190,7 +183,6 @@ class TextEngine:
         queue = self._queues.get(out.request_id)
         if queue is not None:
             queue.put_nowait(out)
-            self._unwritten.add(out.request_id)
 
     async def _loop(self) -> None:
         while True:
@@ -206,22 +198,7 @@ class TextEngine:
                 self._loop_errors += 1
                 outputs = self.scheduler.fail_all(e)
             self._step_seconds += time.perf_counter() - tic
-            waiting = {o.request_id for o in outputs if o.request_id in self._queues} - self._unwritten
             for out in outputs:
                 self._deliver(out)
-            await self._let_streams_write(waiting)
-
-    async def _let_streams_write(self, waiting: set[str]) -> None:
-        """Yield the loop so the streams write this step's outputs before the next step holds it.
-
-        A frame passes through several async layers (this engine's stream, the routing decorator, the
-        host's SSE generator and heartbeat, the ASGI send), some of which take a loop turn each: a
-        frame that needed one turn more than the fixed yields waited a whole step more (on an H100
-        a stream's gap was up to twice the engine's longest step). Only streams that were waiting
-        for their output are waited for (a slow or gone client's backlog is not), and never longer
-        than ``_WRITE_WAIT_S``."""
-        for _ in range(_YIELDS_PER_STEP):
-            await asyncio.sleep(0)
-        deadline = time.perf_counter() + _WRITE_WAIT_S
-        while waiting & self._unwritten and time.perf_counter() < deadline:
-            await asyncio.sleep(0)
+            for _ in range(_YIELDS_PER_STEP):
+                await asyncio.sleep(0)
