@@ -72,13 +72,21 @@ class PrefillBudget:
         return {**asdict(self), "target_s": self.target_s}
 
 
-def median_seconds(fn: Any, repeats: int) -> float:
+def _seconds(fn: Any, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         tic = time.perf_counter()
         fn()
         times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn: Any, repeats: int) -> float:
+    return statistics.median(_seconds(fn, repeats))
+
+
+def fastest_seconds(fn: Any, repeats: int) -> float:
+    return min(_seconds(fn, repeats))
 
 
 def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int, seed: int = 0) -> PrefillBudget:
@@ -100,7 +108,7 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         # The faster of two: noise only ever adds time, and one slow probe (a GPU still planning or
         # clocking up at start-up) read into the median of two made the chunk 80 tokens on one start
         # of an H100 server and 368-1536 on others (BENCHMARKS.md section 7).
-        return min(median_seconds(lambda: prefill(n), 1) for _ in range(2))
+        return fastest_seconds(lambda: prefill(n), 2)
 
     small = timed_prefill(PROBE_SMALL)
     probe_large = PROBE_LARGE
