@@ -18,12 +18,13 @@ from mlx_lm.models.gated_delta import gated_delta_update
 
 from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
 from scheduling import run_schedule
-from vllm_mlx_mtp_routing.text_engine import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
 from vllm_mlx_mtp_routing.backbone import RECURRENCES, gated_delta_layer, use_recurrence
 from vllm_mlx_mtp_routing.mlx_lm_internals import ArraysCache
 from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts
 from vllm_mlx_mtp_routing.text_engine.draft_policy import DraftPolicy
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
+from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
 
 PREFILL = 16
 LENGTHS = [1, 5, 17, 40]  # a one-token prompt (no head pair at its first step), chunked prompts
@@ -304,22 +305,31 @@ def _first_two_exact(bundle, prompt, options):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_sampling_with_mtp_matches_the_target_distribution(tiny, k):
-    """First two tokens at temperature 0.8, top-k 3: 360 requests (seeds 0..359) with MTP, drafts
+    """First two tokens at temperature 0.8, top-k 3: 360 rows (seeds 0..359) with MTP, drafts
     forced to the greedy continuation (accepted with prob p(d)) for half the rows and the head's own
-    sampled drafts for the rest; chi-square against the exact joint, p-value > 1e-3."""
+    sampled drafts for the rest; chi-square against the exact joint, p-value > 1e-3. The rows are one
+    request's (OpenAI ``n``, its prompt prefilled once: shared_prefill.py), so the test's time goes to the
+    decode steps it checks, not to 360 prefills of the same prompt."""
     bundle, tok = tiny
     prompt = _prompts([6], seed=11)[0]
     truth = prompt + _plain(bundle, tok, [prompt], [6])[0]
     n = 360
-    jobs = [(0, prompt, SamplingOptions(max_tokens=2, temperature=0.8, top_k=3, seed=s)) for s in range(n)]
+    opts = [SamplingOptions(max_tokens=2, temperature=0.8, top_k=3, seed=s) for s in range(n)]
 
     def hook(histories, drafts):  # even rows: the greedy continuation; odd rows: the head's drafts
         return [None if d is None else (truth[len(h) : len(h) + k] if i % 2 == 0 else d)
                 for i, (h, d) in enumerate(zip(histories, drafts))]
 
     decode = MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=hook)
-    finals, _ = run(bundle, tok, jobs, decode, max_num_seqs=n)
-    joint = _first_two_exact(bundle, prompt, jobs[0][2])
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=n, prefill_step_size=PREFILL, decode=decode)
+    share = SharedPrefill(n)
+    for s in range(n):
+        sched.add(TextRequest(str(s), prompt, opts[s], share=share))
+    finals = {}
+    while sched.has_work():
+        finals.update({int(out.request_id): out for out in sched.step() if out.finished})
+    assert len(finals) == n and sched.stats()["shared_prefill_rows"] == n - 1
+    joint = _first_two_exact(bundle, prompt, opts[0])
     cells = sorted(joint)
     counts = np.zeros(len(cells))
     for f in finals.values():
