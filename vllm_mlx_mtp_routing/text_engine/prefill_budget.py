@@ -58,7 +58,7 @@ PROBE_LARGE = 24
 # under VISIBLE_AT_ALL x at MAX the attention's share is taken for noise (a GPU, at these depths).
 PROBE_DEPTH_MIN, PROBE_DEPTH_MAX = 2048, 8192
 VISIBLE, VISIBLE_AT_ALL = 1.25, 1.1
-DECODE_PROBES = 7
+DECODE_WARMUP, DECODE_PROBES = 3, 7
 DEFAULT_RATIO = 3.0
 
 
@@ -188,9 +188,12 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         forward(cache, ids[:, position[0] : position[0] + 1])
         position[0] += 1
 
-    decode()
-    # The fastest, as for the chunks: one slow probe at start-up made one H100 server's budget 1.7x another's.
-    decode_s = fastest_seconds(decode, DECODE_PROBES)
+    for _ in range(DECODE_WARMUP):
+        decode()
+    # The median of several after a few untimed: a GPU's first steps run slow (an H100 server's budget came out
+    # 1.7x its neighbour's on a median of five after one), and its fastest undercuts what a step takes once
+    # serving (6.6 against 10.6 ms: the chunk a fifth of the size, a 16K prompt's first token 3x later).
+    decode_s = median_seconds(decode, DECODE_PROBES)
     per_token = max((large - small) / (probe_large - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)
     attention, depth = _attention_cost(model, forward, ids, probe_large, large)
