@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
+from vllm_mlx_mtp_routing.specprefill import SpecPrefill, SpecPrefillSettings
 from vllm_mlx_mtp_routing.text_engine import MTPDecode, SamplingOptions, TextEngine, TextRequest
 from vllm_mlx_mtp_routing.text_engine import warmup
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode
@@ -34,7 +35,7 @@ class RecordingPlain(SingleTokenDecode):
         return super().step(model, cache, inputs, samplers)
 
 
-def finish(engine: TextEngine, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+def finish(engine: TextEngine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
     """Greedy outputs of the prompts, all queued at once, stepped on the engine's scheduler."""
     sched = engine.scheduler
     for i, p in enumerate(prompts):
@@ -49,15 +50,19 @@ def finish(engine: TextEngine, prompts: list[list[int]], max_tokens: int = 12) -
 
 def prompts(n: int) -> list[list[int]]:
     rng = np.random.default_rng(3)
-    return [rng.integers(10, 3000, size=int(m)).tolist() for m in rng.integers(2, 40, size=n)]
+    return [rng.integers(10, 3000, size=int(m)).tolist() for m in rng.integers(2, 30, size=n)]
 
 
-def test_each_batch_size_takes_a_plain_step_and_a_verify_and_nothing_counts(tiny) -> None:
+def test_each_batch_size_takes_a_plain_step_and_a_verify_and_nothing_counts(tiny, tiny_draft_dir) -> None:
+    from mlx_lm import load
+
     bundle, tok = tiny
     decode = Recording(bundle.mtp, k=2, max_batch_size=2)
     cache = PrefixCache(bundle.model, 64 << 20, with_head=True)
-    engine = TextEngine(bundle.model, tok, max_num_seqs=3, prefill_step_size=16, decode=decode, prefix_cache=cache)
-    before, cache_before = engine.stats(), cache.stats()
+    sparse = SpecPrefill(load(str(tiny_draft_dir))[0], SpecPrefillSettings(threshold=0, keep_pct=0.5))  # every prompt
+    engine = TextEngine(bundle.model, tok, max_num_seqs=3, prefill_step_size=16, decode=decode, prefix_cache=cache,
+                        specprefill=sparse)
+    before, cache_before, sparse_before = engine.stats(), cache.stats(), sparse.metrics.stats()
     done = engine.warm_up()
     # One row joins per size, its step plain; then a verify of k drafts where the server's policy would draft.
     assert decode.log == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 0)]
@@ -71,6 +76,7 @@ def test_each_batch_size_takes_a_plain_step_and_a_verify_and_nothing_counts(tiny
     assert after["steps"] == after["tokens_generated"] == after["prompt_tokens_processed"] == 0
     assert after["mtp"]["drafted"] == after["mtp"]["steps_with_mtp"] == 0 and after["mtp"]["draft_cost_by_batch"] == {}
     assert cache.stats() == cache_before and cache_before["lookups"] == 0 and cache_before["entries"] == 0
+    assert sparse.metrics.stats() == sparse_before and sparse_before["requests"] == sparse_before["tokens_scored"] == 0
     sched = engine.scheduler
     assert not sched.has_work() and sched.batch.nbytes == 0 and decode._batch is sched.batch
 
@@ -93,7 +99,7 @@ def test_greedy_outputs_are_the_same_with_and_without_the_warm_up(tiny) -> None:
         if warm:
             engine.warm_up()
         outputs.append(finish(engine, ps))
-        assert engine.stats()["tokens_generated"] == 4 * 12
+        assert engine.stats()["tokens_generated"] == 4 * 8
     assert outputs[0] == outputs[1]
 
 
