@@ -7,7 +7,7 @@
 # Writes $OUT/warmup_steps-<run>-gpu.json for each run.
 # Staging and the two device calls as gpu_serve.sh describes; call 2:  BENCH_COMMIT=<commit> bash benchmarks/gpu_warmup.sh
 # Environment: WARMUP_RUNS (default "off-cold on-cold on-warm"; "plain-cold" adds a run without MTP, --mtp-k 0),
-# WARMUP_ARGS (extra arguments for every run), SITE (default /root/site), OUT (default $OUT or benchmarks/results).
+# WARMUP_ARGS (extra arguments for every run), WARMUP_PTX_DIR (default /tmp/gpu_warmup/ptx), SITE (default /root/site), OUT (default $OUT or benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -17,15 +17,15 @@ OUT=${OUT:-$REPO/benchmarks/results}
 RUNS=${WARMUP_RUNS:-off-cold on-cold on-warm}
 . benchmarks/gpu_setup.sh || exit $?
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-WORK=$(mktemp -d /tmp/gpu_warmup.XXXXXX)
+PTX=${WARMUP_PTX_DIR:-/tmp/gpu_warmup/ptx}  # on-warm reads what on-cold left, in this call or a later one on the same machine
 mkdir -p "$OUT"
 status=0
 for run in $RUNS; do
   case $run in
-    off-cold)   args=(--warmup off --ptx-cache-dir "$WORK/ptx-off") ;;
-    on-cold)    args=(--warmup on --ptx-cache-dir "$WORK/ptx") ;;
-    on-warm)    args=(--warmup on --ptx-cache-dir "$WORK/ptx") ;;  # the folder on-cold filled
-    plain-cold) args=(--warmup on --mtp-k 0 --ptx-cache-dir "$WORK/ptx-plain") ;;
+    off-cold)   rm -rf "$PTX-off"; args=(--warmup off --ptx-cache-dir "$PTX-off") ;;
+    on-cold)    rm -rf "$PTX"; args=(--warmup on --ptx-cache-dir "$PTX") ;;
+    on-warm)    args=(--warmup on --ptx-cache-dir "$PTX") ;;  # its JSON's ptx_cache.files_before says how warm
+    plain-cold) rm -rf "$PTX-plain"; args=(--warmup on --mtp-k 0 --ptx-cache-dir "$PTX-plain") ;;
     *) echo "gpu_warmup: unknown run $run"; exit 2 ;;
   esac
   echo "== $run"

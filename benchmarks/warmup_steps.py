@@ -99,6 +99,20 @@ def load(shape: str, dtype: str | None):
     return model, head, tok, tok_size - 1, info
 
 
+def summarize(results: list[dict], kinds: tuple[str, ...]) -> dict:
+    """Per prompt length and kind: the slowest first step (decode seconds) at batch sizes the warm-up covered and at
+    the others, against the slowest second step."""
+    out: dict = {}
+    for entry in results:
+        for kind in kinds:
+            first, second = (s["decode_s"] for s in entry[kind])
+            slot = out.setdefault(str(entry["prompt_tokens"]), {}).setdefault(kind, {})
+            key = "first_warmed_max_s" if entry["warmed"] else "first_not_warmed_max_s"
+            slot[key] = max(slot.get(key, 0.0), first)
+            slot["second_max_s"] = max(slot.get("second_max_s", 0.0), second)
+    return out
+
+
 def main() -> None:
     a = parse()
     cache_dir, cache_source = ptx_cache(a)
@@ -162,6 +176,7 @@ def main() -> None:
             sched.abort(row.rid)
 
     out = {
+        "summary": summarize(results, kinds),
         "benchmark": "warmup_steps", **provenance.record(), "model": info,
         "config": {"warmup": a.warmup, "max_batch": a.max_batch, "mtp_k": a.mtp_k, "prompt_tokens": a.prompt_tokens,
                    "prefill_step_size": a.prefill_step_size, "warmup_max_batch": warmup.MAX_BATCH},
@@ -171,7 +186,7 @@ def main() -> None:
         "mtp": decode.stats() if decode is not None else None,  # steps_with_mtp: the verifies that ran
         "seconds": round(time.perf_counter() - started, 1),
     }
-    print(json.dumps({k: out[k] for k in ("ptx_cache", "warmup", "seconds")}), flush=True)
+    print(json.dumps({k: out[k] for k in ("ptx_cache", "warmup", "summary", "seconds")}), flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
