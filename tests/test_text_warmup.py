@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -63,7 +64,9 @@ def test_each_batch_size_takes_a_plain_step_and_a_verify_and_nothing_counts(tiny
     engine = TextEngine(bundle.model, tok, max_num_seqs=3, prefill_step_size=16, decode=decode, prefix_cache=cache,
                         specprefill=sparse)
     before, cache_before, sparse_before = engine.stats(), cache.stats(), sparse.metrics.stats()
+    memory = mx.get_active_memory()
     done = engine.warm_up()
+    assert mx.get_active_memory() - memory < 4096  # its rows and caches freed
     # One row joins per size, its step plain; then a verify of k drafts where the server's policy would draft.
     assert decode.log == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 0)]
     assert done.batch_sizes == [1, 2, 3] and done.verify_batch_sizes == [1, 2] and done.draft_tokens == 2

@@ -84,6 +84,17 @@ def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
         policy = ScriptedDrafts(decode.k)
         decode = decode.twin(policy)
     sizes = sorted(batch_sizes)
+    try:
+        verified, seconds = _rehearse(scheduler, decode, policy, sizes)
+    finally:
+        mx.clear_cache()  # the rehearsal's buffers, released with it, go back to the device
+    return Warmup(sizes, decode.k if policy is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds)
+
+
+def _rehearse(
+    scheduler: BatchScheduler, decode: Any, policy: ScriptedDrafts | None, sizes: list[int]
+) -> tuple[list[int], list[float]]:
+    """(sizes that took a verify, seconds per size) of a scheduler of its own, dropped on return."""
     rehearsal = BatchScheduler(
         scheduler.model, scheduler.tokenizer, max_num_seqs=max(sizes, default=1),
         prefill_step_size=scheduler.prefill_step_size, decode=decode,
@@ -113,8 +124,7 @@ def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
             rehearsal.abort(row.rid)
         for row in [*rehearsal.prefilling, *rehearsal.waiting]:
             rehearsal.abort(row.rid)
-        mx.clear_cache()
-    return Warmup(sizes, decode.k if policy is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds)
+    return verified, seconds
 
 
 def _check(outputs: list[Any], batch: int) -> None:
