@@ -15,7 +15,6 @@ changes. Short prompts, greedy, a fixed seed (no draw from the process's random 
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -28,17 +27,15 @@ from .mtp_decode import MTPDecode
 from .rows import TextRequest
 from .sampling import SamplingOptions
 
-logger = logging.getLogger(__name__)
-
-# The skinny matmul is instantiated per row count up to 8 (skinny_matmul.py); larger batches run MLX's general
-# kernels, and a server's first steps of up to 8 rows are the ones measured in seconds.
+# The few-row matmul has a kernel per row count in 2..8 (skinny_matmul.MAX_ROWS), past which a step runs MLX's
+# general kernels; first steps were measured at 1-6 rows (benchmarks/warmup_steps.py also times 9 and 10).
 MAX_BATCH = 8
 PROMPT_TOKENS = 4
 MODES = ("auto", "on", "off")
 
 
 class WarmupError(RuntimeError):
-    pass
+    """A warm-up step failed (the server logs it and serves without the warm-up)."""
 
 
 class ScriptedDrafts(DraftPolicy):
