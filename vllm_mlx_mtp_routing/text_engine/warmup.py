@@ -96,7 +96,6 @@ def _rehearse(
         scheduler.model, scheduler.tokenizer, max_num_seqs=max(sizes, default=1),
         prefill_step_size=scheduler.prefill_step_size, decode=decode,
     )
-    rehearsal.prefill_chunk = scheduler.prefill_chunk
     rehearsal.eos_ids = set()  # the rows run until they are dropped, whatever they generate
     options = SamplingOptions(max_tokens=1 << 30, seed=0)
     verified, seconds = [], []
