@@ -85,7 +85,7 @@ def load(shape: str, dtype: str | None):
         import mtp_decode_bench as mb
 
         _, bundle, tok, _ = mb.load_bundle(None)  # build_text_model: the engine's own model
-        return bundle.model, bundle.mtp, tok, len(tok._tokenizer) - 1, {"model": "models/tiny-qwen35-trained"}
+        return bundle.model, bundle.mtp, tok, len(tok) - 1, {"model": "models/tiny-qwen35-trained"}
     import mtp_shapes_bench as sb
 
     tok, tok_size, special = sb.load_tokenizer()
