@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="long prompts per server, each new to its prefix cache")
     ap.add_argument("--prep-probes", type=int, default=0, help="preparation-only rounds per server, alternating (see above)")
     ap.add_argument("--skip-prefill", action="store_true", help="only the preparation probes")
+    ap.add_argument("--fresh-ptx-cache", action="store_true",
+                    help="MLX's CUDA kernel cache: an empty folder per server (a first prompt's compiles are its own)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -205,6 +207,11 @@ def main() -> None:
     command = args.command.split() if args.command else None
     variants = ([("before", {"PYTHONPATH": os.pathsep.join(filter(None, [str(args.base), os.environ.get("PYTHONPATH", "")]))})]
                 if args.base else []) + [("after", {})]
+    if args.fresh_ptx_cache:  # each server compiles its own CUDA kernels: neither starts on what the other compiled
+        import tempfile
+
+        ptx_root = Path(tempfile.mkdtemp(prefix="prefill_stall_ptx-"))
+        variants = [(name, {**env, "MLX_PTX_CACHE_DIR": str(ptx_root / name)}) for name, env in variants]
     results: dict = {"device": device, "host": platform.node(), "model": str(args.model), "flags": flags,
                      "streams": args.streams, "commit": os.environ.get("BENCH_COMMIT", "")}
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "prefill_stall_logs"
