@@ -7,7 +7,7 @@ shape. A server met each the first time its batch grew to that size, and every r
 
 ``run`` steps throwaway rows through the engine's own decode strategy once at each batch size 1..N, one row
 joining per size as requests do: a plain step, and with MTP a verify of the configured draft count where the
-strategy would draft at that size. The rows live in a scheduler of their own (its batch caches, counters and step
+strategy would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. The rows live in a scheduler of their own (its batch caches, counters and step
 profile; no prefix cache, no SpecPrefill) stepping a twin of the strategy (MTP: its own counts and a policy that
 drafts where told), all dropped afterwards: nothing is counted, cached or reserved, and no later request's output
 changes. Short prompts, greedy, a fixed seed (no draw from the process's random state), no stop token.
@@ -31,6 +31,8 @@ from .sampling import SamplingOptions
 # general kernels; first steps were measured at 1-6 rows (benchmarks/warmup_steps.py also times 9 and 10).
 MAX_BATCH = 8
 PROMPT_TOKENS = 4
+# The long row: past the KV pool's slack (9 blocks of 64), so that the pool compacts when it leaves.
+LONG_ROW_TOKENS = 9 * 64 + 1
 MODES = ("auto", "on", "off")
 
 
@@ -115,12 +117,33 @@ def _rehearse(
                 verified.append(B)
             mx.synchronize()
             seconds.append(round(time.perf_counter() - started, 4))
+        _long_row(rehearsal, scheduler, options, policy)
     finally:
         for row in reversed(list(rehearsal.running)):  # one by one: the batch's shrinking steps too
             rehearsal.abort(row.rid)
         for row in [*rehearsal.prefilling, *rehearsal.waiting]:
             rehearsal.abort(row.rid)
     return verified, seconds
+
+
+def _long_row(rehearsal: BatchScheduler, scheduler: BatchScheduler, options: SamplingOptions,
+              policy: ScriptedDrafts | None) -> None:
+    """A longer row prefilled in the server's chunks joins the batch and leaves it: the prefill's chunk shape, and
+    the KV pool's growth and compaction as it leaves, have first uses of their own (on an H100 the step after a
+    16K-token row left the batch took 3.6 s in a server warmed at batch sizes alone)."""
+    if rehearsal.running:
+        rehearsal.abort(rehearsal.running[-1].rid)  # room for it
+    rehearsal.prefill_chunk, rehearsal.chunk_grid = scheduler.prefill_chunk, scheduler.chunk_grid
+    n = max(2 * scheduler.prefill_chunk + 1, LONG_ROW_TOKENS)
+    rehearsal.add(TextRequest("warmup-long", [1 + j % 7 for j in range(n)], options))
+    if policy is not None:
+        policy.drafting = False
+    rows = len(rehearsal.running) + 1
+    while len(rehearsal.running) < rows:
+        _check(rehearsal.step(), rows)
+    rehearsal.abort("warmup-long")
+    if rehearsal.running:
+        _check(rehearsal.step(), rows - 1)
 
 
 def _check(outputs: list[Any], batch: int) -> None:
