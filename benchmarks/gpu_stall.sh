@@ -3,7 +3,8 @@
 # random bf16 weights (benchmarks/make_qwen35_2b.py): 4 streams decoding while a 16K-token prompt prefills, the
 # plugin at a baseline commit ("before", from .device-b/base) against this checkout ("after"), each server
 # given STALL_ROUNDS long prompts in a row (default 3; the first pays the one-off CUDA compiles at its row's
-# join, the later ones show the steady state: "later_rounds" in the JSON). Then STALL_PREP_PROBES rounds
+# join, the later ones show the steady state: "later_rounds" in the JSON; each server compiles into a PTX cache
+# of its own). Then STALL_PREP_PROBES rounds
 # (default 10) alternating between the servers of a 16K prompt answered 400 after its preparation (no prefill):
 # what the request's template, tokenization and snapshot positions cost the streams ("prep_probes").
 #
@@ -29,5 +30,5 @@ base=()
 [ -d .device-b/base/vllm_mlx_mtp_routing ] && base=(--base "$REPO/.device-b/base")
 mkdir -p "$OUT"
 $PY benchmarks/prefill_stall.py --model "$MODEL_2B" "${base[@]}" --prompt-tokens "${STALL_PROMPT_TOKENS:-16384}" --warm-tokens "${STALL_WARM_TOKENS:-300}" \
-    --rounds "${STALL_ROUNDS:-3}" --prep-probes "${STALL_PREP_PROBES:-10}" \
+    --rounds "${STALL_ROUNDS:-3}" --prep-probes "${STALL_PREP_PROBES:-10}" --fresh-ptx-cache \
     --command "$PY $REPO/benchmarks/vllm_mlx_launcher.py --site $SITE" --out "$OUT/prefill_stall-gpu.json"

@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="long prompts per server, each new to its prefix cache")
     ap.add_argument("--prep-probes", type=int, default=0, help="preparation-only rounds per server, alternating (see above)")
     ap.add_argument("--skip-prefill", action="store_true", help="only the preparation probes")
+    ap.add_argument("--fresh-ptx-cache", action="store_true",
+                    help="MLX's CUDA kernel cache: an empty folder per server (a first prompt's compiles are its own)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -205,6 +207,11 @@ def main() -> None:
     command = args.command.split() if args.command else None
     variants = ([("before", {"PYTHONPATH": os.pathsep.join(filter(None, [str(args.base), os.environ.get("PYTHONPATH", "")]))})]
                 if args.base else []) + [("after", {})]
+    if args.fresh_ptx_cache:  # each server compiles its own CUDA kernels: neither starts on what the other compiled
+        import tempfile
+
+        ptx_root = Path(tempfile.mkdtemp(prefix="prefill_stall_ptx-"))
+        variants = [(name, {**env, "MLX_PTX_CACHE_DIR": str(ptx_root / name)}) for name, env in variants]
     results: dict = {"device": device, "host": platform.node(), "model": str(args.model), "flags": flags,
                      "streams": args.streams, "commit": os.environ.get("BENCH_COMMIT", "")}
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "prefill_stall_logs"
@@ -226,6 +233,13 @@ def main() -> None:
             r["prefill"] = plugin_prefill_stats(server.url)
             budget = (r["prefill"] or {}).get("target_s") or 0.0
             r["target_gap_s"] = round(3 * r["decode_gap_median_s"] + budget, 4) if r["prefill"] else None
+            # The budget the engine holds a step's prefill to: `ratio` of the running batch's decode steps (the
+            # median gap here; target_s above is `ratio` one-row steps timed at start), and at least one chunk,
+            # projected within chunk_limit_s (reported since chunks shrink with the position).
+            p = r["prefill"] or {}
+            if p.get("chunk_limit_s"):
+                step_budget = max(p["ratio"] * r["decode_gap_median_s"], p["chunk_limit_s"])
+                r["target_gap_engine_s"] = round(3 * r["decode_gap_median_s"] + step_budget, 4)
             r["gap_over_decode"] = round(r["longest_gap_s"] / r["decode_gap_median_s"], 1)
             results[name] = r
             print(name, json.dumps(r), flush=True)

@@ -7,9 +7,10 @@ from typing import Any
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, TextRequest
 
 
-def run_schedule(model: Any, tokenizer: Any, jobs: list, *, max_num_seqs: int, prefill_step_size: int, decode: Any = None, prefix_cache: Any = None) -> tuple[dict, BatchScheduler]:
+def run_schedule(model: Any, tokenizer: Any, jobs: list, *, max_num_seqs: int, prefill_step_size: int, decode: Any = None, prefix_cache: Any = None, chunk_grid: Any = None) -> tuple[dict, BatchScheduler]:
     """jobs: [(arrival_step, prompt_ids, SamplingOptions[, snapshot_at])] -> ({index: final TextOutput}, scheduler)."""
     sched = BatchScheduler(model, tokenizer, max_num_seqs=max_num_seqs, prefill_step_size=prefill_step_size, decode=decode, prefix_cache=prefix_cache)
+    sched.chunk_grid = chunk_grid
     pending = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
     finals, step = {}, 0
     while pending or sched.has_work():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
-from vllm_mlx_mtp_routing.text_engine.prefill_budget import MIN_CHUNK, calibrate
+from vllm_mlx_mtp_routing.text_engine.prefill_budget import MIN_CHUNK, ChunkGrid, PrefillBudget, calibrate
 
 
 def _run(model, tok, *, time_s, step_size=256):
@@ -47,7 +47,8 @@ def test_calibration_picks_a_chunk_within_the_bounds(tiny_text) -> None:
     model, _ = tiny_text
     budget = calibrate(model, max_chunk=2048, ratio=3.0, vocab_size=1000)
     assert MIN_CHUNK <= budget.chunk_tokens <= 2048 and budget.chunk_tokens % MIN_CHUNK == 0
-    assert budget.decode_step_s > 0 and budget.per_token_s > 0
+    assert budget.decode_step_s > 0 and budget.per_token_s > 0 and budget.attention_s >= 0
+    assert budget.chunk_at(0) == budget.chunk_tokens and budget.chunk_at(10**6) <= budget.chunk_tokens
     assert budget.probe_tokens <= 2048 and budget.probe_tokens >= 24
     assert calibrate(model, max_chunk=2048, ratio=0, vocab_size=1000).chunk_tokens == 2048  # 0: off
     assert calibrate(model, max_chunk=64, ratio=3.0, vocab_size=1000).probe_tokens <= 64  # the probe never passes the cap
@@ -108,3 +109,146 @@ def test_an_unusable_calibration_file_means_measuring_and_the_file_stays_small(t
     assert len(json.loads(broken.read_text())) == 2
     with pytest.raises(FlagError, match="--prefill-calibration-file"):
         cf.from_flag(str(tmp_path / "a-file" / "c.json"))
+
+
+def test_the_attention_probe_reads_a_cache_as_deep_as_asked(tiny_text) -> None:
+    import mlx.core as mx
+
+    from vllm_mlx_mtp_routing.mlx_lm_internals import KVCache
+    from vllm_mlx_mtp_routing.text_engine.prefill_budget import deep_cache
+
+    model, _ = tiny_text
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
+    layers = [c for c in cache if isinstance(c, KVCache)]
+    deep_cache(layers, 1000)
+    assert layers and {c.offset for c in layers} == {1000}
+    mx.eval(model(mx.array([[8, 9]]), cache=cache))  # a chunk reads them as a prefilled prompt's
+    assert {c.offset for c in layers} == {1002}
+    deep_cache(layers, 2000)
+    assert {c.offset for c in layers} == {2000} and min(c.keys.shape[2] for c in layers) >= 2000
+
+
+def _budget(**kw) -> PrefillBudget:
+    values = dict(chunk_tokens=256, max_chunk_tokens=2048, ratio=3.0, decode_step_s=0.01, chunk_fixed_s=0.01,
+                  per_token_s=1e-4, calibration_s=0.0, attention_s=2e-8, probe_depth=8192)
+    return PrefillBudget(**{**values, **kw})
+
+
+def test_chunks_shrink_with_the_position_within_the_limit() -> None:
+    budget = _budget()
+    sizes = [budget.chunk_at(p) for p in (0, 1024, 4096, 16384, 65536, 262144)]
+    assert sizes[0] == 192 and sizes == sorted(sizes, reverse=True) and sizes[-1] < MIN_CHUNK
+    for p, n in zip((0, 1024, 4096, 16384, 65536, 262144), sizes):
+        assert n >= 1 and (n < MIN_CHUNK or n % MIN_CHUNK == 0)
+        assert budget.chunk_s(n, p) <= budget.chunk_limit_s or n == 1
+        step = MIN_CHUNK if n >= MIN_CHUNK else 1
+        assert budget.chunk_s(n + step, p) > budget.chunk_limit_s or n == budget.chunk_tokens  # the largest that fits
+    # where even a MIN_CHUNK chunk at the start is over the target, no chunk costs more than that one
+    slow = _budget(chunk_tokens=MIN_CHUNK, chunk_fixed_s=0.03, per_token_s=0.004, attention_s=6.6e-7)
+    assert slow.chunk_limit_s == pytest.approx(slow.chunk_s(MIN_CHUNK, 0))
+    assert slow.chunk_at(0) == MIN_CHUNK and 3 <= slow.chunk_at(15000) <= 5  # the CPU of BENCHMARKS section 7
+    assert _budget(attention_s=0.0).chunk_at(10**6) == 256  # not measured: fixed chunks
+    assert _budget(ratio=0.0).chunk_at(10**6) == 256
+
+
+def test_the_chunk_grid_ends_chunks_where_a_prefill_from_the_start_would() -> None:
+    budget = _budget(chunk_fixed_s=0.003, attention_s=2e-7)
+    grid = ChunkGrid(budget.chunk_at)
+    ends, p = [], 0
+    while p < 20000:
+        p = grid.next_end(p)
+        ends.append(p)
+    assert all(b - a == budget.chunk_at(a) for a, b in zip([0, *ends], ends))
+    assert ends[1] - ends[0] > ends[-1] - ends[-2]
+    fresh = ChunkGrid(budget.chunk_at)  # a prefill resumed anywhere (a snapshot) meets the same ends
+    for start in (0, 1, 191, 192, 5000, 19999):
+        assert fresh.next_end(start) == min(e for e in ends if e > start)
+    assert ChunkGrid(lambda p: 64).next_end(130) == 192  # fixed chunks: the multiples of the chunk
+
+
+def test_chunks_that_shrink_keep_outputs_and_a_snapshot_restore_exact(tiny_text) -> None:
+    model, tok = tiny_text
+    shrinking = lambda p: max(1, 24 - p // 8)  # noqa: E731 - chunks of 24 tokens down to 1 within 190 positions
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(10, 3000, size=n).tolist() for n in (9, 230, 75)]
+
+    def run(grid: bool, time_s: tuple[float, float] | None):
+        sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=256)
+        sched.prefill_chunk = 24
+        sched.chunk_grid = ChunkGrid(shrinking) if grid else None
+        sched.prefill_time_s = time_s
+        sched.add(TextRequest("a", prompts[0], SamplingOptions(max_tokens=12)))
+        finals, step, chunks = {}, 0, []
+        while sched.has_work():
+            if step == 2:
+                sched.add(TextRequest("b", prompts[1], SamplingOptions(max_tokens=6)))
+                sched.add(TextRequest("c", prompts[2], SamplingOptions(max_tokens=6)))
+            before = sched.prompt_tokens
+            for out in sched.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+            chunks.append(sched.prompt_tokens - before)
+            step += 1
+        return finals, chunks
+
+    bounded, chunks = run(True, (1e-9, 1e-9))  # one chunk per step
+    assert bounded == run(True, None)[0]  # as many chunks per step as fit: the same outputs
+    assert 1 in chunks and 24 in chunks  # the grid's chunks, large at the start and one token deep
+    sched = BatchScheduler(model, tok, max_num_seqs=1, prefill_step_size=256)
+    sched.chunk_grid = ChunkGrid(shrinking)
+    sched.add(TextRequest("b", prompts[1], SamplingOptions(max_tokens=6)))
+    alone = [out.token_ids for _ in range(400) if sched.has_work() for out in sched.step() if out.finished]
+    assert alone == [bounded["b"]]  # alone, its prefill uninterrupted: the same output
+
+
+def test_a_prefill_resumed_from_a_snapshot_cuts_at_the_grid_ends(tiny_text) -> None:
+    from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
+
+    model, tok = tiny_text
+    grid = ChunkGrid(lambda p: max(1, 24 - p // 8))
+    cache = PrefixCache(model, 64 << 20)
+    prompt = np.random.default_rng(9).integers(10, 3000, size=160).tolist()
+    system = 37  # a snapshot position inside a chunk
+
+    def prefill(prompt_ids, marks=()):
+        sched = BatchScheduler(model, tok, max_num_seqs=1, prefill_step_size=256, prefix_cache=cache)
+        sched.chunk_grid = grid
+        cuts, real = [], sched.decode.prefill
+
+        def spy(m, chunk, state):
+            cuts.append((state.prefilled, state.prefilled + chunk.shape[1]))
+            return real(m, chunk, state)
+
+        sched.decode.prefill = spy
+        sched.add(TextRequest("r", prompt_ids, SamplingOptions(max_tokens=2), snapshot_at=list(marks)))
+        outs = [out for _ in range(400) if sched.has_work() for out in sched.step() if out.finished]
+        return outs[0], cuts
+
+    first, cuts = prefill(prompt[:100], [(system, "system")])
+    assert first.cached_tokens == 0 and (cuts[0][0], cuts[-1][1]) == (0, 99)
+    ends = {grid.next_end(p) for p in range(0, 160)}
+    assert all(e in ends or e in (system, 99) for _, e in cuts)  # the grid's ends, and the snapshot's
+    again, cuts = prefill(prompt[:40] + prompt[100:150])  # a new turn after the system block
+    assert again.cached_tokens == system and cuts[0][0] == system
+    assert [e for _, e in cuts[:-1]] == [e for e in sorted(ends) if system < e < 89]  # as if prefilled from 0
+
+
+def test_mtp_decoding_with_chunks_that_shrink_is_the_same_batched_and_alone(tiny) -> None:
+    from scheduling import run_schedule
+    from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+
+    bundle, tok = tiny
+    grid = ChunkGrid(lambda p: max(1, 24 - p // 8))
+    rng = np.random.default_rng(11)
+    jobs = [(0, rng.integers(10, 3000, size=7).tolist(), SamplingOptions(max_tokens=16)),
+            (2, rng.integers(10, 3000, size=210).tolist(), SamplingOptions(max_tokens=8)),
+            (3, rng.integers(10, 3000, size=60).tolist(), SamplingOptions(max_tokens=8))]
+
+    def run(js):
+        finals, _ = run_schedule(bundle.model, tok, js, max_num_seqs=4, prefill_step_size=256, chunk_grid=grid,
+                                 decode=MTPDecode(bundle.mtp, k=2, adaptive=False))
+        return [finals[i].token_ids for i in range(len(js))]
+
+    batched = run(jobs)
+    assert batched == [run([(0, *job[1:])])[0] for job in jobs]

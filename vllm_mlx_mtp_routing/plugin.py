@@ -15,7 +15,7 @@ from .engine_decorator import find_decorator
 from .errors import RequestRejected
 from .flag_types import count_or_all, int_at_least, non_negative
 from .text_engine.mtp_decode import DEFAULT_PROMPT_PAIRS
-from .text_engine import calibration_file
+from .text_engine import calibration_file, warmup
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
@@ -39,6 +39,7 @@ class _State:
     prefill_stall_ratio: float = DEFAULT_STALL_RATIO
     calibration_file: Path | None = None  # --prefill-calibration-file (None: 'none')
     recalibrate: bool = False
+    text_warmup: str = "auto"  # --text-warmup
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None
     warm_prompts: str | None = None
     vocab_size: int | None = None  # the loaded model's, for logit_bias ids
@@ -101,6 +102,15 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         help="Text path: measure the prefill chunk at this start even if --prefill-calibration-file has one, and "
         "replace it there (after a change of load or hardware the stored one no longer describes).",
     )
+    group.add_argument(
+        "--text-warmup",
+        choices=warmup.MODES,
+        default="auto",
+        help="Text path: at start, step throwaway rows through the decode at each batch size 1..min(--max-num-seqs, "
+        f"{warmup.MAX_BATCH}) (a plain step, and with MTP a verify), so that no request pays a batch size's first-use "
+        "kernel compiles and plans (seconds per size on an H100). 'auto' (default): on for a CUDA GPU, off on the CPU "
+        "and Metal.",
+    )
     admission.add_arguments(group)
 
 
@@ -113,6 +123,7 @@ def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     STATE.prefill_stall_ratio = float(getattr(args, "prefill_stall_ratio", DEFAULT_STALL_RATIO))
     STATE.calibration_file = calibration_file.from_flag(getattr(args, "prefill_calibration_file", None))
     STATE.recalibrate = bool(getattr(args, "prefill_recalibrate", False))
+    STATE.text_warmup = getattr(args, "text_warmup", "auto")
     STATE.prefix_cache = prefix_settings.from_args(args)
     STATE.warm_prompts = getattr(args, "warm_prompts", None)
     STATE.specprefill = specprefill_flags.from_args(args)
@@ -256,6 +267,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         specprefill=_specprefill(router, info),
     )
     router.prefill_budget.apply(text_engine.scheduler)
+    _warm_up(text_engine)
     # Built once the text path knows whether MTP loaded: its projection comes from the engine.
     router.admission = _admission_controller(info, router, text_engine)
     if router.admission is not None and prefix_cache is not None:  # the cache's bytes are used memory
@@ -268,6 +280,25 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     started = router.start_text_path(text_engine)
     gc_pauses.freeze_startup_heap()
     return started
+
+
+def _warm_up(text_engine: Any) -> None:
+    if not warmup.enabled(STATE.text_warmup):
+        return
+    try:
+        done = text_engine.warm_up()
+    except Exception:  # the first requests pay the compiles instead; a step that cannot run fails them as it did here
+        logger.exception("mtp-routing: the text path's start-up warm-up failed; serving without it")
+        return
+    verify = f" and a {done.draft_tokens}-draft MTP verify at {_sizes(done.verify_batch_sizes)}" if done.verify_batch_sizes else ""
+    logger.info(
+        "mtp-routing: text decode warmed up at batch sizes %s (a plain step%s) in %.1f s (--text-warmup %s)",
+        _sizes(done.batch_sizes), verify, done.seconds, STATE.text_warmup,
+    )
+
+
+def _sizes(sizes: list[int]) -> str:
+    return f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 and sizes == list(range(sizes[0], sizes[-1] + 1)) else ",".join(map(str, sizes))
 
 
 def _specprefill(router: RoutingEngine, info: ModelInfo) -> Any:

@@ -39,7 +39,13 @@ class ForcedAcceptanceDecode(MTPDecode):
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         super().__init__(head, **options)
         self.acceptance = acceptance
+        self._seed = seed
         self._rng = random.Random(seed)
+
+    def twin(self, policy: Any) -> ForcedAcceptanceDecode:
+        twin = super().twin(policy)
+        twin._rng = random.Random(self._seed)  # the warm-up's decisions do not use up this one's
+        return twin
 
     def _accept(
         self, logits: mx.array, drafts: mx.array | None, qs: dict[int, mx.array], drafting: list[bool],

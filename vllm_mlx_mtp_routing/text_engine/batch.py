@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import prefill_budget, row_check
+from .prefill_budget import ChunkGrid
 from ..prefix_cache.plan import SnapshotPlan
 from .batch_cache import BatchCache
 from .decode import DecodeStrategy, SingleTokenDecode
@@ -82,6 +83,7 @@ class BatchScheduler:
         self.max_num_seqs = max_num_seqs
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk = prefill_step_size  # tokens per prefill forward; prefill_budget may lower it
+        self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
@@ -208,11 +210,13 @@ class BatchScheduler:
         return outputs
 
     def _chunk_len(self, seq: Row) -> int:
-        """Chunks end at multiples of the chunk size (fixed for the server's life, see prefill_budget)
-        from the prompt's start, never depending on the other requests, and at the request's
-        prefix-cache snapshot positions."""
+        """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
+        or ends that draw closer deeper into a prompt; see prefill_budget), never depending on the
+        other requests, and at the request's prefix-cache snapshot positions."""
         start = seq.prefilled
-        end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, seq.to_prefill)
+        grid = self.chunk_grid
+        end = grid.next_end(start) if grid is not None else (start // self.prefill_chunk + 1) * self.prefill_chunk
+        end = min(end, seq.to_prefill)
         return (seq.plan.cut(start, end) if seq.plan is not None else end) - start
 
     def _prefill_chunk(self, seq: Row) -> int:

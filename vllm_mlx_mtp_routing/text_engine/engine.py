@@ -18,6 +18,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..admission.memory_model import MemoryModel
+from . import warmup
 from .batch import BatchScheduler, TextRequest
 from .decode import DecodeStrategy
 from .outputs import TextOutput
@@ -65,6 +66,7 @@ class TextEngine:
         self._task: asyncio.Task | None = None
         self._step_seconds = 0.0
         self._loop_errors = 0
+        self.warmup: warmup.Warmup | None = None
 
     @property
     def running(self) -> bool:
@@ -156,6 +158,14 @@ class TextEngine:
             self._queues.pop(request_id, None)
         return out is not None
 
+    def warm_up(self, max_batch: int = warmup.MAX_BATCH) -> warmup.Warmup:
+        """Step throwaway rows through the decode at batch sizes 1..min(max_num_seqs, ``max_batch``) so that requests
+        meet no first-use compiles (warmup.py). Once, before ``start``, on the thread that owns the model."""
+        if self.running or self.scheduler.has_work():
+            raise RuntimeError("the text engine warms up before it serves")
+        self.warmup = warmup.run(self.scheduler, range(1, min(self.scheduler.max_num_seqs, max_batch) + 1))
+        return self.warmup
+
     def memory_model(self) -> MemoryModel:
         """What this engine allocates per request: admission's projection for the text path."""
         return self.scheduler.memory_model()
@@ -177,6 +187,7 @@ class TextEngine:
         s = self.scheduler.stats()
         s["step_seconds_total"] = round(self._step_seconds, 3)
         s["loop_errors"] = self._loop_errors
+        s["warmup"] = self.warmup.stats() if self.warmup is not None else None
         return s
 
     def _deliver(self, out: TextOutput) -> None:

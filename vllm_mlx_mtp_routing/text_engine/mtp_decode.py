@@ -41,6 +41,7 @@ that never drafts consumes keys exactly as ``SingleTokenDecode`` does.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -112,6 +113,10 @@ class MTPDecode:
             raise ValueError(f"prompt_pairs must be >= 1 or None, got {prompt_pairs}")
         self.prompt_pairs = prompt_pairs
         self.draft_hook = draft_hook
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """What stepping a batch accumulates: its binding, step timing and counts (``twin`` starts from none)."""
         self._batch: DecodeBatch | None = None
         self._version = -1
         # End of the last step, None after a join or leave. A step is timed from there (when the
@@ -124,7 +129,17 @@ class MTPDecode:
         self.accepted = 0
         self.steps_with_mtp = 0
         self.steps_without_mtp = 0
-        self.accepted_histogram = [0] * (k + 1)  # per drafting row-step: how many drafts it kept
+        self.accepted_histogram = [0] * (self.k + 1)  # per drafting row-step: how many drafts it kept
+
+    def twin(self, policy: DraftPolicy) -> MTPDecode:
+        """The same head, draft count and settings, with none of this strategy's batch, timings or counts, drafting
+        as ``policy`` decides and without the draft hook: the start-up warm-up steps it (warmup.py), so nothing it
+        does reaches this one's policy or stats."""
+        twin = copy.copy(self)
+        twin.policy = policy
+        twin.draft_hook = None
+        twin._fresh_state()
+        return twin
 
     @property
     def adaptive(self) -> bool:

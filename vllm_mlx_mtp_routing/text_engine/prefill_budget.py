@@ -14,22 +14,37 @@ chunk sizes on the loaded model (a cost of a + b * tokens per chunk) and takes
   least one chunk), or within ``IDLE_STEP_S`` when no row is decoding (a lone prompt goes at full
   speed and ``/health`` still answers between steps), never more than ``--prefill-step-size`` tokens.
 
-The chunk is fixed for the server's life and only the number of chunks per step follows the clock:
-a prompt's chunk boundaries depend on nothing but the prompt and the server, which keeps a request's
-output the same alone or in any batch (the engine's exactness; see batch.py). Attention cost grows
-with the position, so chunks deep into a long prompt take somewhat longer than the estimate.
+Attention's cost grows with the position: on MLX's CPU backend a 16-token chunk 15K tokens into a
+prompt cost 2.7x one at its start (BENCHMARKS.md section 7), one step's gap blown by the chunk alone.
+So the calibration also times a chunk over a cache 2K-8K positions deep (keys written, not
+prefilled: what attention costs does not depend on their values) for the attention's share, ``c``
+seconds per token per position it reads, and a chunk's projected time is ``a + b * n + c * n *
+(position + n / 2)``. Chunks shrink with the position (as Medha's adaptive chunking does for long contexts) so
+that none is projected past the chunk limit: ``ratio`` decode steps, or where even the smallest
+regular chunk (``MIN_CHUNK`` tokens) costs more, that chunk's time at the prompt's start; deep in a
+prompt on a slow device a chunk may be a few tokens.
+
+Chunk boundaries are fixed for the server's life (``ChunkGrid``: a function of the position only)
+and only the number of chunks per step follows the clock: a prompt's chunks depend on nothing but
+the prompt and the server, which keeps a request's output the same alone or in any batch (the
+engine's exactness; see batch.py), and a prompt resumed from a prefix-cache snapshot meets the
+boundaries it would have met from its start.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from array import array
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..mlx_lm_internals import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +54,11 @@ IDLE_STEP_S = 0.25
 # MLX's CPU backend: ~64 ms a token) larger probes cost the start-up tens of seconds.
 PROBE_SMALL = 8
 PROBE_LARGE = 24
+# The attention probe's cache doubles from MIN until a chunk there costs VISIBLE x one at the start;
+# under VISIBLE_AT_ALL x at MAX the attention's share is taken for noise (a GPU, at these depths).
+PROBE_DEPTH_MIN, PROBE_DEPTH_MAX = 2048, 8192
+VISIBLE, VISIBLE_AT_ALL = 1.25, 1.1
+DECODE_WARMUP, DECODE_PROBES = 3, 7
 DEFAULT_RATIO = 3.0
 
 
@@ -53,10 +73,33 @@ class PrefillBudget:
     calibration_s: float
     probe_tokens: int = PROBE_LARGE  # the larger calibration probe (grown where 24 tokens cost no more than 8)
     stored_at: str | None = None  # when it was measured, if read from --prefill-calibration-file (calibration_file.py)
+    attention_s: float = 0.0  # c: per chunk token per position it attends to
+    probe_depth: int = 0  # where c was measured (0: not measured; chunks do not shrink with the position)
 
     @property
     def target_s(self) -> float:
         return self.ratio * self.decode_step_s
+
+    @property
+    def chunk_limit_s(self) -> float:
+        """No chunk is projected past this: the target, or a ``MIN_CHUNK``-token chunk's time at position 0."""
+        return max(self.target_s, self.chunk_s(MIN_CHUNK, 0))
+
+    def chunk_s(self, tokens: int, position: int) -> float:
+        """The projected time of a chunk of ``tokens`` starting at prompt ``position``."""
+        return self.chunk_fixed_s + tokens * (self.per_token_s + self.attention_s * (position + tokens / 2))
+
+    def chunk_at(self, position: int) -> int:
+        """The chunk that starts at ``position``: the largest within the limit (a multiple of ``MIN_CHUNK``
+        from there up), at most ``chunk_tokens``, at least one token."""
+        if not self.bounded or self.attention_s <= 0:
+            return self.chunk_tokens
+        limit = self.chunk_limit_s
+        lo, hi = 1, self.chunk_tokens  # the projection grows with the tokens: bisect the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.chunk_s(mid, position) <= limit else (lo, mid - 1)
+        return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
 
     @property
     def bounded(self) -> bool:
@@ -66,10 +109,28 @@ class PrefillBudget:
         """Make ``scheduler`` (a BatchScheduler) prefill in these chunks within these step times."""
         if self.bounded:
             scheduler.prefill_chunk = self.chunk_tokens
+            scheduler.chunk_grid = ChunkGrid(self.chunk_at) if self.attention_s > 0 else None
             scheduler.prefill_time_s = (self.ratio, max(IDLE_STEP_S, self.target_s))
 
     def stats(self) -> dict[str, Any]:
-        return {**asdict(self), "target_s": self.target_s}
+        depths = [1024, 4096, 16384, 65536]
+        return {**asdict(self), "target_s": self.target_s, "chunk_limit_s": self.chunk_limit_s,
+                "chunk_at": {str(p): self.chunk_at(p) for p in depths}}
+
+
+class ChunkGrid:
+    """Where prompt chunks end: 0, then each end plus the chunk that starts there, so a prefill that
+    starts anywhere (a snapshot's position) meets the same ends as one from the prompt's start."""
+
+    def __init__(self, chunk_at: Any) -> None:
+        self._chunk_at = chunk_at
+        self._ends = array("q", [0])
+
+    def next_end(self, start: int) -> int:
+        """The first chunk end after ``start``."""
+        while self._ends[-1] <= start:
+            self._ends.append(self._ends[-1] + self._chunk_at(self._ends[-1]))
+        return self._ends[bisect.bisect_right(self._ends, start)]
 
 
 def _seconds(fn: Any, repeats: int) -> list[float]:
@@ -127,20 +188,70 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         forward(cache, ids[:, position[0] : position[0] + 1])
         position[0] += 1
 
-    decode()
-    decode_s = median_seconds(decode, 5)
+    for _ in range(DECODE_WARMUP):
+        decode()
+    # The median of several after a few untimed: a GPU's first steps run slow (an H100 server's budget came out
+    # 1.7x its neighbour's on a median of five after one), and its fastest undercuts what a step takes once
+    # serving (6.6 against 10.6 ms: the chunk a fifth of the size, a 16K prompt's first token 3x later).
+    decode_s = median_seconds(decode, DECODE_PROBES)
     per_token = max((large - small) / (probe_large - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)
+    attention, depth = _attention_cost(model, forward, ids, probe_large, large)
     target = ratio * decode_s
     fit = int((target - fixed) / per_token) if target > fixed else 0
     chunk = min(max_chunk, max(MIN_CHUNK, fit // MIN_CHUNK * MIN_CHUNK))
-    budget = PrefillBudget(chunk, max_chunk, ratio, decode_s, fixed, per_token, time.perf_counter() - tic, probe_large)
+    budget = PrefillBudget(chunk, max_chunk, ratio, decode_s, fixed, per_token, time.perf_counter() - tic, probe_large,
+                           attention_s=attention, probe_depth=depth)
+    budget = replace(budget, chunk_tokens=budget.chunk_at(0))  # its own attention counted too
     logger.info(
-        "mtp-routing: text prefill chunk %d tokens (a decode step %.1f ms; a chunk ~%.1f ms + %.3f ms/token; "
-        "target %.1f ms = %g decode steps; --prefill-step-size %d; measured in %.1f s)",
-        chunk, decode_s * 1e3, fixed * 1e3, per_token * 1e3, target * 1e3, ratio, max_chunk, budget.calibration_s,
+        "mtp-routing: text prefill chunk %d tokens, %d at position 16384 (a decode step %.1f ms; a chunk ~%.1f ms + "
+        "%.3f ms/token + %.2f us/token/position; target %.1f ms = %g decode steps; --prefill-step-size %d; "
+        "measured in %.1f s)",
+        chunk, budget.chunk_at(16384), decode_s * 1e3, fixed * 1e3, per_token * 1e3, attention * 1e6, target * 1e3,
+        ratio, max_chunk, budget.calibration_s,
     )
     return budget
+
+
+def _attention_cost(model: nn.Module, forward: Any, ids: mx.array, tokens: int, shallow: float) -> tuple[float, int]:
+    """Attention's share of a chunk's time, per chunk token per position read, and the depth it was
+    read at: a chunk of ``tokens`` (``shallow`` seconds at the start) timed over a cache made deeper
+    until it costs visibly more (0, 0: no visible difference by ``PROBE_DEPTH_MAX``, or no attention)."""
+    cache = model.make_cache()
+    forward(cache, ids[:, :PROBE_SMALL])
+    layers = [c for c in cache if isinstance(c, KVCache) and c.keys is not None]
+    if not layers:
+        return 0.0, 0
+
+    def chunk() -> None:
+        forward(cache, ids[:, :tokens])
+        for c in layers:
+            c.trim(tokens)  # back to the probe's depth (the gated-delta state moves on: its cost does not)
+
+    depth = PROBE_DEPTH_MIN
+    while True:
+        deep_cache(layers, depth)
+        chunk()  # the first chunk at a depth pays the cache's growth
+        deep = fastest_seconds(chunk, 2)
+        if deep >= VISIBLE * shallow or depth >= PROBE_DEPTH_MAX:
+            break
+        depth *= 2
+    del cache, layers
+    mx.clear_cache()
+    if deep < VISIBLE_AT_ALL * shallow:
+        return 0.0, 0
+    return (deep - shallow) / (tokens * depth), depth
+
+
+def deep_cache(layers: list[Any], depth: int) -> None:
+    """Append random keys and values to attention caches until they hold ``depth`` positions: what a
+    chunk's attention costs depends on how many it reads, not on their values."""
+    for c in layers:
+        _, heads, _, dim = c.keys.shape
+        if depth > c.offset:
+            filler = mx.random.normal((1, heads, depth - c.offset, dim), key=mx.random.key(1)).astype(c.keys.dtype)
+            c.update_and_fetch(filler, filler)
+    mx.eval([c.state for c in layers])
 
 
 def more_prefill(scheduler: Any, tokens_after: int, started: float, last_chunk_s: float) -> bool:

@@ -1,0 +1,152 @@
+"""A start-up warm-up of the decode step at each batch size, so that no request pays its one-off compiles.
+
+On MLX's CUDA backend the first decode step at a new batch size took 2-12 s on an H100, plain and MTP verify alike
+(benchmarks/first_steps.py, BENCHMARKS.md section 7): kernels are compiled per template at their first use (the
+skinny matmul per row count, the fused gated-delta recurrence, MLX's own JIT kernels) and cuDNN plans attention per
+shape. A server met each the first time its batch grew to that size, and every running stream stalled with it.
+
+``run`` steps throwaway rows through the engine's own decode strategy once at each batch size 1..N, one row
+joining per size as requests do: a plain step, and with MTP a verify of the configured draft count where the
+strategy would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. The rows live in a scheduler of their own (its batch caches, counters and step
+profile; no prefix cache, no SpecPrefill) stepping a twin of the strategy (MTP: its own counts and a policy that
+drafts where told), all dropped afterwards: nothing is counted, cached or reserved, and no later request's output
+changes. Short prompts, greedy, a fixed seed (no draw from the process's random state), no stop token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from .batch import BatchScheduler
+from .draft_policy import DraftPolicy
+from .mtp_decode import MTPDecode
+from .rows import TextRequest
+from .sampling import SamplingOptions
+
+# The few-row matmul has a kernel per row count in 2..8 (skinny_matmul.MAX_ROWS), past which a step runs MLX's
+# general kernels; first steps were measured at 1-6 rows (benchmarks/warmup_steps.py also times 9 and 10).
+MAX_BATCH = 8
+PROMPT_TOKENS = 4
+# The long row: past the KV pool's slack (9 blocks of 64), so that the pool compacts when it leaves.
+LONG_ROW_TOKENS = 9 * 64 + 1
+MODES = ("auto", "on", "off")
+
+
+class WarmupError(RuntimeError):
+    """A warm-up step failed (the server logs it and serves without the warm-up)."""
+
+
+class ScriptedDrafts(DraftPolicy):
+    """Drafts k on the steps it is told to (``drafting``) for every row that can, none on the others."""
+
+    drafting = False
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k, adaptive=False)
+
+    def draft_count(self, batch: int) -> int:
+        return self.k if self.drafting else 0
+
+
+@dataclass(frozen=True)
+class Warmup:
+    batch_sizes: list[int]
+    draft_tokens: int  # the verify step's drafts at each size that drafts (0: plain steps only)
+    verify_batch_sizes: list[int]
+    seconds: float
+    seconds_by_batch_size: list[float]
+
+    def stats(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def enabled(mode: str) -> bool:
+    """``--text-warmup``: 'auto' is on where the one-off compiles cost seconds, a CUDA GPU (MLX's GPU device where
+    Metal is not there), and off on the CPU and Metal."""
+    if mode not in MODES:
+        raise ValueError(f"text warm-up mode must be one of {MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
+    """Step throwaway rows through ``scheduler``'s decode strategy at each of ``batch_sizes`` (ascending), on the
+    thread that owns the model; ``scheduler`` itself is only read."""
+    tic = time.perf_counter()
+    decode, policy = scheduler.decode, None
+    if isinstance(decode, MTPDecode):
+        policy = ScriptedDrafts(decode.k)
+        decode = decode.twin(policy)
+    sizes = sorted(batch_sizes)
+    try:
+        verified, seconds = _rehearse(scheduler, decode, policy, sizes)
+    finally:
+        mx.clear_cache()  # the rehearsal's buffers, released with it, go back to the device
+    return Warmup(sizes, decode.k if policy is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds)
+
+
+def _rehearse(
+    scheduler: BatchScheduler, decode: Any, policy: ScriptedDrafts | None, sizes: list[int]
+) -> tuple[list[int], list[float]]:
+    """(sizes that took a verify, seconds per size) of a scheduler of its own, dropped on return."""
+    rehearsal = BatchScheduler(
+        scheduler.model, scheduler.tokenizer, max_num_seqs=max(sizes, default=1),
+        prefill_step_size=scheduler.prefill_step_size, decode=decode,
+    )
+    rehearsal.eos_ids = set()  # the rows run until they are dropped, whatever they generate
+    options = SamplingOptions(max_tokens=1 << 30, seed=0)
+    verified, seconds = [], []
+    try:
+        for B in sizes:
+            started = time.perf_counter()
+            for i in range(len(rehearsal.running) + len(rehearsal.prefilling) + len(rehearsal.waiting), B):
+                rehearsal.add(TextRequest(f"warmup-{i}", [1 + (i + j) % 7 for j in range(PROMPT_TOKENS)], options))
+            if policy is not None:
+                policy.drafting = False
+            while len(rehearsal.running) < B:  # the new rows' prefill and join, then (in the same step) a plain step of B rows
+                _check(rehearsal.step(), B)
+            # The verify where the server's own policy could draft at this size (--mtp-max-batch-size).
+            if policy is not None and scheduler.decode.policy.draft_count(B):
+                policy.drafting = True
+                _check(rehearsal.step(), B)
+                verified.append(B)
+            mx.synchronize()
+            seconds.append(round(time.perf_counter() - started, 4))
+        _long_row(rehearsal, scheduler, options, policy)
+    finally:
+        for row in reversed(list(rehearsal.running)):  # one by one: the batch's shrinking steps too
+            rehearsal.abort(row.rid)
+        for row in [*rehearsal.prefilling, *rehearsal.waiting]:
+            rehearsal.abort(row.rid)
+    return verified, seconds
+
+
+def _long_row(rehearsal: BatchScheduler, scheduler: BatchScheduler, options: SamplingOptions,
+              policy: ScriptedDrafts | None) -> None:
+    """A longer row prefilled in the server's chunks joins the batch and leaves it: the prefill's chunk shape, and
+    the KV pool's growth and compaction as it leaves, have first uses of their own (on an H100 the step after a
+    16K-token row left the batch took 3.6 s in a server warmed at batch sizes alone)."""
+    if rehearsal.running:
+        rehearsal.abort(rehearsal.running[-1].rid)  # room for it
+    rehearsal.prefill_chunk, rehearsal.chunk_grid = scheduler.prefill_chunk, scheduler.chunk_grid
+    n = max(2 * scheduler.prefill_chunk + 1, LONG_ROW_TOKENS)
+    rehearsal.add(TextRequest("warmup-long", [1 + j % 7 for j in range(n)], options))
+    if policy is not None:
+        policy.drafting = False
+    rows = len(rehearsal.running) + 1
+    while len(rehearsal.running) < rows:
+        _check(rehearsal.step(), rows)
+    rehearsal.abort("warmup-long")
+    if rehearsal.running:
+        _check(rehearsal.step(), rows - 1)
+
+
+def _check(outputs: list[Any], batch: int) -> None:
+    for out in outputs:
+        if out.finish_reason == "error":
+            raise WarmupError(f"the decode step at batch size {batch} failed: {out.error}")
