@@ -20,6 +20,7 @@ from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, Te
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 from vllm_mlx_mtp_routing.text_engine.logits_processing import fork_options
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
 
 PREFILL = 16
 
@@ -265,7 +266,8 @@ def test_a_processor_fault_fails_its_row_alone(tiny, mtp):
 def test_sampled_rows_under_mtp_keep_the_processed_distribution(tiny):
     """Speculative sampling of processed rows: with the hook drafting one fixed token every step, a
     row's first token must still follow the processed distribution p (accepted with p(d), else drawn
-    from p without d). 256 seeded rows against p from a direct forward, repetition penalty and mask applied."""
+    from p without d). 256 seeded rows against p from a direct forward, repetition penalty and mask applied;
+    the rows are one request's (its prompt prefilled once, shared_prefill.py), so the time goes to the decode."""
     bundle, tok = tiny
     prompt = _prompts([6], seed=7)[0]
     allowed = [101, 202, 303, 404]
@@ -283,11 +285,13 @@ def test_sampled_rows_under_mtp_keep_the_processed_distribution(tiny):
     opts = lambda s: SamplingOptions(max_tokens=2, temperature=1.0, seed=s, repetition_penalty=1.3,  # noqa: E731
                                      logits_processors=make_logits_processors(logit_bias=bias))
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=256, prefill_step_size=PREFILL, decode=decode)
+    share = SharedPrefill(256)
     for s in range(256):
-        sched.add(TextRequest(str(s), prompt, opts(s)))
+        sched.add(TextRequest(str(s), prompt, opts(s), share=share))
     firsts = []
     while sched.has_work():
         firsts += [o.token_ids[0] for o in sched.step() if o.finished]
     freq = np.array([firsts.count(t) for t in allowed]) / len(firsts)
     assert len(firsts) == 256 and 0 < decode.accepted < decode.drafted  # the draft was kept and rejected
+    assert sched.stats()["shared_prefill_rows"] == 255
     assert np.abs(freq - p).sum() / 2 < 0.08, (freq, p)
