@@ -118,7 +118,8 @@ def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
     import mtp_shapes_bench as MSB
 
     out = tmp_path / "shapes.json"
-    assert MSB.main(["--smoke", "--batches", "2", "--prefill-tokens", "32", "--out", str(out)]) == 0
+    assert MSB.main(["--smoke", "--batches", "2", "--prefill-tokens", "32", "--prefill-repeats", "1", "--iters", "1",
+                     "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and res["device"] and res["versions"]["mlx"] and res["versions"]["mlx_lm"]
     assert res["prefill"]["mtp_over_plain"] > 0 and res["prefill"]["chunk_tokens"] >= 16
