@@ -139,20 +139,21 @@ def test_ssd_flags_read_with_the_hosts_defaults(tmp_path):
     assert settings.from_args(argparse.Namespace(cache_memory_mb=64)).ssd_dir is None
 
 
-def test_fifty_distinct_long_prompts_stay_within_both_budgets(tiny, tmp_path):
-    """Bounded memory over many prompts: 50 distinct long prompts through a cache that holds about
-    three of them in memory and six on disk; after every request both tiers are within budget,
-    every eviction is counted, and the disk holds exactly the files its index names."""
+def test_twenty_distinct_long_prompts_stay_within_both_budgets(tiny, tmp_path):
+    """Bounded memory over many prompts: 20 distinct long prompts through a cache that holds about
+    three of them in memory and six on disk (each prompt leaves two entries: ~40 through room for ~13);
+    after every request both tiers are within budget, every eviction is counted, and the disk holds
+    exactly the files its index names."""
     bundle, tok = tiny
     probe = PrefixCache(bundle.model, 64 * MB)
     run(bundle, tok, _tokens(120, 999), probe)
     one = sum(e.nbytes for e in probe.tree.entries())
     cache = PrefixCache(bundle.model, 3 * one, disk=tier(bundle, tmp_path, budget=6 * one))
-    for i in range(50):
+    for i in range(20):
         run(bundle, tok, _tokens(120, 1000 + i), cache)
         stats = cache.stats()
         assert stats["bytes"] <= stats["budget_bytes"]
         assert stats["disk"]["bytes"] <= stats["disk"]["budget_bytes"]
     stats = cache.stats()
-    assert stats["evictions"] >= 40 and stats["disk"]["evictions"] >= 30 and stats["entries"] > 0
+    assert stats["evictions"] >= 30 and stats["disk"]["evictions"] >= 20 and stats["entries"] > 0
     assert len(list(cache.disk.dir.glob("*.safetensors"))) == stats["disk"]["entries"] > 0
