@@ -135,7 +135,7 @@ def test_device_memory_on_this_machine():
 def test_long_prompt_burst_over_a_small_budget_queues_and_all_finish(tiny_lm):
     """Real prefills and decode steps under a budget that fits one prefill and one more request."""
     lm, config, _ = tiny_lm
-    step, prompt, new = 512, 1000, 8
+    step, prompt, new = 512, 600, 8  # two prefill chunks each (was 1000: the same two chunks, a longer second)
     mm = MemoryModel.from_model_config(config, prefill_step_size=step, include_mtp=False, draft_tokens=0)
     mx.clear_cache()
     base = mx.get_active_memory()
