@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--query-lengths", default="479,480,613,1000,1136",
+                    help="then: causal attention of chunks of these lengths over 8K earlier keys (a prompt's last chunk)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     block, H, D, B = 64, a.heads, a.dim, a.rows
@@ -77,7 +79,18 @@ def main() -> None:
         }
         results.append(row)
         print(json.dumps(row), flush=True)
-    out = {"benchmark": "shape_compiles", **provenance.record(), "config": vars(a) | {"out": str(a.out)},
+    heads = H * 4
+    for L in (int(x) for x in a.query_lengths.split(",") if x):
+        S = 8192 + L
+        q = mx.ones((1, heads, L, D), dt)
+        k = mx.ones((1, H, S, D), dt)
+        row = {"query_length": L, "keys": S,
+               "sdpa_causal": twice(lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=0.06, mask="causal"))}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    import os
+
+    out = {"benchmark": "shape_compiles", "cudnn_sdpa_env": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA"), **provenance.record(), "config": vars(a) | {"out": str(a.out)},
            "results": results}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
