@@ -88,6 +88,16 @@ def main() -> None:
                "sdpa_causal": twice(lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=0.06, mask="causal"))}
         results.append(row)
         print(json.dumps(row), flush=True)
+    import mlx.nn as nn
+
+    C = 6144  # the 2B shape's gated-delta conv channels
+    conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
+    conv.set_dtype(dt)
+    for L in (int(x) for x in a.query_lengths.split(",") if x):
+        x = mx.ones((1, L + 3, C), dt)
+        row = {"conv_length": L, "depthwise_conv1d": twice(lambda: conv(x))}
+        results.append(row)
+        print(json.dumps(row), flush=True)
     import os
 
     out = {"benchmark": "shape_compiles", "cudnn_sdpa_env": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA"), **provenance.record(), "config": vars(a) | {"out": str(a.out)},
