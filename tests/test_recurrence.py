@@ -79,26 +79,3 @@ def test_fused_class_is_transparent_off_cuda(tiny) -> None:
         assert _same(lin(x, None, _cache(1, lin, 6)), ref)
     finally:
         lin.__class__ = GatedDeltaNet
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_the_cuda_conv_equals_mlx_conv(tiny, monkeypatch, dtype) -> None:
-    """On CUDA the layer's depthwise conv runs as shifted products (cuDNN planned nn.Conv1d per input shape): the
-    same values as nn.Conv1d, for any length and batch (checked here with that path forced on the CPU)."""
-    from vllm_mlx_mtp_routing import backbone
-
-    bundle, _ = tiny
-    lin = _linear_layer(bundle)
-    weight = lin.conv1d.weight
-    try:
-        lin.conv1d.weight = weight.astype(dtype)
-        for B, T in ((1, 4), (3, 11), (2, 130)):
-            x = (mx.random.normal((B, T + lin.conv_kernel_size - 1, lin.conv_dim), key=mx.random.key(T)) * 0.5).astype(dtype)
-            expected = lin.conv1d(x)
-            monkeypatch.setattr(backbone, "fused_available", lambda: True)
-            got = backbone._conv(lin, x)
-            monkeypatch.undo()
-            assert got.dtype == dtype and got.shape == expected.shape
-            assert mx.allclose(got.astype(mx.float32), expected.astype(mx.float32), atol=1e-6 if dtype == mx.float32 else 1e-2).item()
-    finally:
-        lin.conv1d.weight = weight

@@ -182,22 +182,6 @@ def _recurrence(
     return gated_delta_update(q, k, v, a, b, lin.A_log, lin.dt_bias, state, mask, use_kernel=not lin.training)
 
 
-def _conv(lin: nn.Module, x: mx.array) -> mx.array:
-    """The layer's depthwise causal conv. On CUDA as its ``kernel_size`` shifted products summed in float32:
-    MLX 0.32.4 runs ``nn.Conv1d`` there through cuDNN, planned anew for every new input shape (0.14-0.76 s each
-    on an H100, ``benchmarks/shape_compiles.py``), i.e. at every new prefill chunk length and batch size; these
-    elementwise ops plan nothing. Elsewhere mlx-lm's own conv."""
-    conv = lin.conv1d
-    if lin.training or not fused_available():
-        return conv(x)
-    w = conv.weight.astype(mx.float32)  # [C, K, 1]: depthwise, one input channel per output
-    K, T = w.shape[1], x.shape[1] - w.shape[1] + 1
-    y = sum(x[:, j : j + T, :].astype(mx.float32) * w[:, j, 0] for j in range(K))
-    if "bias" in conv:
-        y = y + conv.bias.astype(mx.float32)
-    return y.astype(x.dtype)
-
-
 def _layer_core(
     lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool
 ) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
@@ -211,7 +195,7 @@ def _layer_core(
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = nn.silu(_conv(lin, conv_input))
+    conv_out = nn.silu(lin.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
