@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
 
 import provenance  # noqa: E402
+from vllm_mlx_mtp_routing import causal_conv  # noqa: E402
 
 
 def twice(fn) -> list[float]:
@@ -93,9 +95,17 @@ def main() -> None:
     C = 6144  # the 2B shape's gated-delta conv channels
     conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
     conv.set_dtype(dt)
-    for L in (int(x) for x in a.query_lengths.split(",") if x):
-        x = mx.ones((1, L + 3, C), dt)
-        row = {"conv_length": L, "depthwise_conv1d": twice(lambda: conv(x))}
+    conv.train(False)
+    for B, L in [(1, int(x)) for x in a.query_lengths.split(",") if x] + [(b, 1) for b in range(1, 9)] + [(b, 2) for b in range(1, 5)]:
+        x = mx.random.normal((B, L + 3, C)).astype(dt)
+        row = {"conv_batch": B, "conv_length": L, "depthwise_conv1d": twice(lambda: conv(x))}
+        if causal_conv.supported(conv, x):  # this plugin's kernel (CUDA): its first call, its time, its values
+            row["kernel"] = twice(lambda: causal_conv.depthwise_causal_conv(conv, x))
+            ref, got = conv(x).astype(mx.float32), causal_conv.depthwise_causal_conv(conv, x).astype(mx.float32)
+            row["kernel_max_abs_diff"] = mx.abs(ref - got).max().item()
+            row["kernel_median_s"], row["conv_median_s"] = (
+                round(sorted(twice(f) + twice(f) + twice(f))[3], 6)
+                for f in (lambda: causal_conv.depthwise_causal_conv(conv, x), lambda: conv(x)))
         results.append(row)
         print(json.dumps(row), flush=True)
     import os
