@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
 
 import provenance  # noqa: E402
+from vllm_mlx_mtp_routing import causal_conv  # noqa: E402
 
 
 def twice(fn) -> list[float]:
@@ -41,6 +43,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--query-lengths", default="479,480,613,1000,1136",
+                    help="then: causal attention of chunks of these lengths over 8K earlier keys (a prompt's last chunk)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     block, H, D, B = 64, a.heads, a.dim, a.rows
@@ -77,7 +81,36 @@ def main() -> None:
         }
         results.append(row)
         print(json.dumps(row), flush=True)
-    out = {"benchmark": "shape_compiles", **provenance.record(), "config": vars(a) | {"out": str(a.out)},
+    heads = H * 4
+    for L in (int(x) for x in a.query_lengths.split(",") if x):
+        S = 8192 + L
+        q = mx.ones((1, heads, L, D), dt)
+        k = mx.ones((1, H, S, D), dt)
+        row = {"query_length": L, "keys": S,
+               "sdpa_causal": twice(lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=0.06, mask="causal"))}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    import mlx.nn as nn
+
+    C = 6144  # the 2B shape's gated-delta conv channels
+    conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
+    conv.set_dtype(dt)
+    conv.train(False)
+    for B, L in [(1, int(x)) for x in a.query_lengths.split(",") if x] + [(b, 1) for b in range(1, 9)] + [(b, 2) for b in range(1, 5)]:
+        x = mx.random.normal((B, L + 3, C)).astype(dt)
+        row = {"conv_batch": B, "conv_length": L, "depthwise_conv1d": twice(lambda: conv(x))}
+        if causal_conv.supported(conv, x):  # this plugin's kernel (CUDA): its first call, its time, its values
+            row["kernel"] = twice(lambda: causal_conv.depthwise_causal_conv(conv, x))
+            ref, got = conv(x).astype(mx.float32), causal_conv.depthwise_causal_conv(conv, x).astype(mx.float32)
+            row["kernel_max_abs_diff"] = mx.abs(ref - got).max().item()
+            row["kernel_median_s"], row["conv_median_s"] = (
+                round(sorted(twice(f) + twice(f) + twice(f))[3], 6)
+                for f in (lambda: causal_conv.depthwise_causal_conv(conv, x), lambda: conv(x)))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    import os
+
+    out = {"benchmark": "shape_compiles", "cudnn_sdpa_env": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA"), **provenance.record(), "config": vars(a) | {"out": str(a.out)},
            "results": results}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

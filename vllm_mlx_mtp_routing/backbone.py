@@ -32,6 +32,7 @@ from .mlx_lm_internals import (
     GatedDeltaNet,
     ssm_cache_index,
 )
+from .causal_conv import conv1d
 from .recurrence import fused_available, gated_delta_fused
 
 
@@ -195,7 +196,7 @@ def _layer_core(
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = nn.silu(lin.conv1d(conv_input))
+    conv_out = nn.silu(conv1d(lin.conv1d, conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(

@@ -20,6 +20,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 _SOURCE = """
+    const int B = q_shape[0];  // not a template constant: one compile serves every batch size
     const int T = q_shape[1];
     const int n = blockIdx.z * blockDim.z + threadIdx.z;
     const int b_idx = n / Hv;
@@ -122,7 +123,6 @@ def gated_delta_fused(
             ("GT", g.dtype),
             ("BT", beta.dtype),
             ("StT", state.dtype),
-            ("B", B),
             ("Dk", Dk),
             ("Dv", Dv),
             ("Hk", Hk),

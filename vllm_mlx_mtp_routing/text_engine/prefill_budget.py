@@ -15,7 +15,7 @@ chunk sizes on the loaded model (a cost of a + b * tokens per chunk) and takes
   speed and ``/health`` still answers between steps), never more than ``--prefill-step-size`` tokens.
 
 Attention's cost grows with the position: on MLX's CPU backend a 16-token chunk 15K tokens into a
-prompt cost 2.7x one at its start (BENCHMARKS.md section 7), one step's gap blown by the chunk alone.
+prompt took 2.4x one at its start (BENCHMARKS.md section 7), one step's gap blown by the chunk alone.
 So the calibration also times a chunk over a cache 2K-8K positions deep (keys written, not
 prefilled: what attention costs does not depend on their values) for the attention's share, ``c``
 seconds per token per position it reads, and a chunk's projected time is ``a + b * n + c * n *
@@ -56,6 +56,7 @@ PROBE_SMALL = 8
 PROBE_LARGE = 24
 # The attention probe's cache doubles from MIN until a chunk there costs VISIBLE x one at the start;
 # under VISIBLE_AT_ALL x at MAX the attention's share is taken for noise (a GPU, at these depths).
+# Its keys are held only while it is timed (at MAX, 8K positions of every attention layer's KV).
 PROBE_DEPTH_MIN, PROBE_DEPTH_MAX = 2048, 8192
 VISIBLE, VISIBLE_AT_ALL = 1.25, 1.1
 DECODE_WARMUP, DECODE_PROBES = 3, 7
@@ -207,7 +208,7 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
         "mtp-routing: text prefill chunk %d tokens, %d at position 16384 (a decode step %.1f ms; a chunk ~%.1f ms + "
         "%.3f ms/token + %.2f us/token/position; target %.1f ms = %g decode steps; --prefill-step-size %d; "
         "measured in %.1f s)",
-        chunk, budget.chunk_at(16384), decode_s * 1e3, fixed * 1e3, per_token * 1e3, attention * 1e6, target * 1e3,
+        budget.chunk_tokens, budget.chunk_at(16384), decode_s * 1e3, fixed * 1e3, per_token * 1e3, attention * 1e6, target * 1e3,
         ratio, max_chunk, budget.calibration_s,
     )
     return budget
