@@ -1,9 +1,10 @@
 """A start-up warm-up of the decode step at each batch size, so that no request pays its one-off compiles.
 
 On MLX's CUDA backend the first decode step at a new batch size took 2-12 s on an H100, plain and MTP verify alike
-(benchmarks/first_steps.py, BENCHMARKS.md section 7): kernels are compiled per template at their first use (the
-skinny matmul per row count, the fused gated-delta recurrence, MLX's own JIT kernels) and cuDNN plans attention per
-shape. A server met each the first time its batch grew to that size, and every running stream stalled with it.
+(benchmarks/first_steps.py, BENCHMARKS.md section 7): kernels are compiled at their first use (the skinny matmul
+per row count, MLX's own JIT kernels, each operation's first use in the process) and cuDNN planned the gated-delta
+conv per shape (now one kernel of ours, causal_conv.py). A server met each the first time its batch grew to that
+size, and every running stream stalled with it.
 
 ``run`` steps throwaway rows through the engine's own decode strategy once at each batch size 1..N, one row
 joining per size as requests do: a plain step, and with MTP a verify of the configured draft count where the
