@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from specprefill_speed import prompt_ids
     from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
-    from vllm_mlx_mtp_routing.prefix_cache.disk_tier import DiskTier, fingerprint
+    from vllm_mlx_mtp_routing.prefix_cache.disk_tier import DiskTier
+    from vllm_mlx_mtp_routing.weights_fingerprint import fingerprint
     from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
     from vllm_mlx_mtp_routing.text_model import build_text_model
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
 from .host import engine_access, specprefill_flags
 from .routing import RoutingEngine, RoutingSettings
+from .weights_fingerprint import fingerprint
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")
 
@@ -107,8 +110,8 @@ def vllm_mlx_add_cli_args(group: Any) -> None:
         choices=warmup.MODES,
         default="auto",
         help="Text path: at start, step throwaway rows through the decode at each batch size 1..min(--max-num-seqs, "
-        f"{warmup.MAX_BATCH}) (a plain step, and with MTP a verify), so that no request pays a batch size's first-use "
-        "kernel compiles and plans (seconds per size on an H100). 'auto' (default): on for a CUDA GPU, off on the CPU "
+        f"{warmup.MAX_BATCH}) (a plain step, and with MTP a verify), then a longer row joins and leaves, so that no request "
+        "pays a batch size's first-use kernel compiles and plans (seconds per size on an H100). 'auto' (default): on for a CUDA GPU, off on the CPU "
         "and Metal.",
     )
     admission.add_arguments(group)
@@ -251,11 +254,13 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         router.mtp_decode = MTPUnavailable(str(bundle.mtp_unavailable_reason))
     vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
     STATE.vocab_size = vocab
+    weights = functools.cache(lambda: fingerprint(bundle.model))  # the calibration file's key and the disk tier's folder
     router.prefill_budget = calibration_file.calibrated(
         bundle.model, max_chunk=router.settings.prefill_step_size, ratio=STATE.prefill_stall_ratio, vocab_size=vocab,
         path=STATE.calibration_file, remeasure=STATE.recalibrate,
+        weights=weights() if STATE.calibration_file is not None else None,
     )
-    prefix_cache = _prefix_cache(bundle.model, router, with_head=bundle.mtp is not None)
+    prefix_cache = _prefix_cache(bundle.model, router, with_head=bundle.mtp is not None, weights=weights)
     text_engine = TextEngine(
         bundle.model,
         info.tokenizer,
@@ -319,7 +324,7 @@ def _specprefill(router: RoutingEngine, info: ModelInfo) -> Any:
     return SpecPrefill(draft, settings)
 
 
-def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
+def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool, weights: Callable[[], str]) -> Any:
     settings = STATE.prefix_cache or prefix_settings.from_args(None)
     if not settings.enabled or settings.budget_bytes <= 0:
         logger.info("mtp-routing: text-path prefix cache off (%s)", "--disable-prefix-cache" if not settings.enabled else "budget 0")
@@ -328,9 +333,9 @@ def _prefix_cache(model: Any, router: RoutingEngine, *, with_head: bool) -> Any:
 
     disk = None
     if settings.ssd_dir:
-        from .prefix_cache.disk_tier import DiskTier, fingerprint
+        from .prefix_cache.disk_tier import DiskTier
 
-        disk = DiskTier(Path(settings.ssd_dir), settings.ssd_budget_bytes, fingerprint(model))
+        disk = DiskTier(Path(settings.ssd_dir), settings.ssd_budget_bytes, weights())
         logger.info("mtp-routing: text-path prefix cache spills to %s (up to %.1f GB)", disk.dir, settings.ssd_budget_bytes / 1e9)
     cache = PrefixCache(model, settings.budget_bytes, with_head=with_head, disk=disk)
     from .host import usage

@@ -44,21 +44,6 @@ class DiskRef:
     nbytes: int
 
 
-def fingerprint(model: Any) -> str:
-    """A short id of the model's weights: parameter names, shapes and dtypes, and sums over the first
-    values of a few tensors (not whole ones: a float32 copy of a large vocabulary's embedding would be
-    gigabytes), so two checkpoints of one shape do not share files."""
-    from mlx.utils import tree_flatten
-
-    h = hashlib.sha256()
-    params = tree_flatten(model.parameters())
-    for name, v in params:
-        h.update(f"{name}:{v.shape}:{v.dtype};".encode())
-    for _, v in params[:: max(1, len(params) // 8)]:
-        h.update(f"{mx.sum(v.reshape(-1)[:65536].astype(mx.float32)).item():.9e};".encode())
-    return h.hexdigest()[:16]
-
-
 def _header(path: Path) -> dict[str, str]:
     """The safetensors file's metadata, read from its header alone."""
     with open(path, "rb") as f:

@@ -3,7 +3,7 @@
 ``prefill_budget.calibrate`` times the loaded model at every start: a fraction of a second for a small model on
 a GPU, seconds for a large quantized one on a CPU, and each start measures a slightly different chunk under a
 different load, so a restarted server could cut prompts at other chunk boundaries. A start that finds a
-calibration measured for the same weights (the prefix cache's disk fingerprint), device, library versions, plugin
+calibration measured for the same weights (weights_fingerprint.py, as the prefix cache's disk tier), device, library versions, plugin
 code, ``--prefill-step-size`` and ``--prefill-stall-ratio`` reuses it: the same chunk across restarts.
 ``--prefill-recalibrate`` measures again and replaces it; ``--prefill-calibration-file none`` keeps nothing.
 """
@@ -134,7 +134,7 @@ def calibrated(
     if path is None or ratio <= 0 or max_chunk <= MIN_CHUNK:  # nothing stored, or nothing to measure
         return calibrate(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
     if weights is None:
-        from ..prefix_cache.disk_tier import fingerprint
+        from ..weights_fingerprint import fingerprint
 
         weights = fingerprint(model)
     key = calibration_key(weights, max_chunk=max_chunk, ratio=ratio, device=device_identity())
