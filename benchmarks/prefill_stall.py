@@ -58,8 +58,10 @@ def long_prompt(model: Path, tokens: int) -> str:
 
 
 async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: int, timeout: float,
-                  extra: dict | None = None, max_tokens: int = 1, expect: int = 200) -> dict:
-    """``extra``: fields added to the long prompt's request body (e.g. ``specprefill``); ``expect``: its status."""
+                  extra: dict | None = None, max_tokens: int = 1, expect: int = 200, after_frames: int = 0) -> dict:
+    """``extra``: fields added to the long prompt's request body (e.g. ``specprefill``); ``expect``: its status.
+    ``after_frames``: the streams go on for this many frames after the answer, for their cadence at the depth the
+    prefill left them at (``depth``)."""
     # A stream's frames, one per engine step that gave it tokens. A token that releases no text on its
     # own (a byte of an unfinished UTF-8 character: ~2% of a random-weight model's tokens) comes in a
     # frame without content, so gaps between content frames alone ("text" gaps) can span two steps.
@@ -69,7 +71,7 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
 
     async def stream(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": model, "messages": [{"role": "user", "content": f"def worker_{i}(queue):"}],
-                "max_tokens": 4000, "temperature": 0, "stream": True}
+                "max_tokens": 8000, "temperature": 0, "stream": True}
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
@@ -81,9 +83,10 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
                     return
 
     health: list[tuple[float, float]] = []
+    answered = asyncio.Event()
 
     async def poll_health(client: httpx.AsyncClient) -> None:
-        while not stop.is_set():
+        while not answered.is_set():
             tic = time.perf_counter()
             await client.get("/health")
             health.append((tic, time.perf_counter() - tic))
@@ -101,8 +104,13 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         response = await client.post("/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, **(extra or {})})
         t1 = time.perf_counter()
-        stop.set()
+        answered.set()
         await poller
+        t_after = time.perf_counter() + 0.5  # past the long row's leaving (and its snapshot, if cached)
+        while after_frames and time.perf_counter() - t1 < timeout and any(not t.done() for t in tasks) and min(
+                sum(x >= t_after for x in arr) for arr, t in zip(arrivals, tasks) if not t.done()) < after_frames:
+            await asyncio.sleep(0.05)
+        stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -121,7 +129,9 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
     # --warm-tokens, so that only this round's steps are in it)
     status = httpx.get(f"{url}/v1/status", timeout=30).json().get("plugins", {}).get("mtp-routing", {})
     slowest = (status.get("text_engine") or {}).get("slowest_steps")
+    depth = depth_targets(arrivals, t0, t1, statistics.median(before), after_frames)
     return {
+        **({"depth": depth} if depth else {}),
         "prompt_tokens": response.json()["usage"]["prompt_tokens"] if expect == 200 else None,
         "ttft_s": round(t1 - t0, 3),
         "decode_gap_median_s": round(statistics.median(before), 4),
@@ -136,6 +146,41 @@ async def measure(url: str, model: str, prompt: str, streams: int, warm_tokens: 
         "worst_gaps_s_at_s": [(round(g, 3), round(at, 3)) for g, at in worst[:4]],
         **({"slowest_steps": slowest} if slowest is not None else {}),
     }
+
+
+def depth_targets(arrivals: list[list[float]], t0: float, t1: float, cadence_before: float, after_frames: int) -> dict:
+    """The decode cadence the prefill's gaps are judged against, at the depth each gap was at.
+
+    The streams grow while a long prompt prefills (on a CPU, by thousands of tokens over minutes), and so does their
+    own decode step: the cadence before the prompt arrived understates what a step costs by the prefill's end. The
+    streams' cadence after the prompt's answer (its row gone) is the cadence at the depth they reached; a gap's
+    cadence is interpolated between the two by the stream's frame index (its depth). Per gap: ``c`` at its depth,
+    to be judged against 3 c plus the engine's step budget at that cadence (see main)."""
+    if not after_frames:
+        return {}
+    t_after = t1 + 0.5
+    after = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if a >= t_after]
+    if len(after) < 3:
+        return {}
+    cadence_after = statistics.median(after)
+    gaps = []  # (gap, cadence at its depth)
+    for arr in arrivals:
+        j0, j1 = sum(x < t0 for x in arr), sum(x <= t1 + 0.5 for x in arr)
+        for j in range(max(j0, 1), j1):
+            frac = (j - j0) / max(1, j1 - j0)
+            gaps.append((arr[j] - arr[j - 1], cadence_before + frac * (cadence_after - cadence_before)))
+    return {"decode_gap_after_s": round(cadence_after, 4), "gaps": gaps}
+
+
+def judge_at_depth(depth: dict, prefill: dict) -> dict:
+    """Each gap against 3x the cadence at its depth plus the engine's step budget at that cadence: ``ratio`` of the
+    running batch's decode steps, at least one chunk's limit (prefill_budget.py). The worst gap by that ratio."""
+    ratio, limit = prefill["ratio"], prefill.get("chunk_limit_s") or 0.0
+    worst = max(depth.pop("gaps"), key=lambda g: g[0] / (3 * g[1] + max(ratio * g[1], limit)))
+    gap, c = worst
+    target = 3 * c + max(ratio * c, limit)
+    return {**depth, "worst_gap_s": round(gap, 4), "its_cadence_s": round(c, 4), "its_target_s": round(target, 4),
+            "worst_over_target": round(gap / target, 3)}
 
 
 def model_context(model: Path) -> int:
@@ -192,6 +237,8 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true", help="only the preparation probes")
     ap.add_argument("--fresh-ptx-cache", action="store_true",
                     help="MLX's CUDA kernel cache: an empty folder per server (a first prompt's compiles are its own)")
+    ap.add_argument("--after-frames", type=int, default=24,
+                    help="frames per stream after the answer: their cadence at the depth reached (0: not measured)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -226,7 +273,7 @@ def main() -> None:
             if args.skip_prefill:
                 break
             rounds = [asyncio.run(measure(server.url, server.model, f"round {k}: {prompt}", args.streams, args.warm_tokens,
-                                          args.timeout)) for k in range(args.rounds)]
+                                          args.timeout, after_frames=args.after_frames)) for k in range(args.rounds)]
             r = rounds[0]
             if args.rounds > 1:
                 r["later_rounds"] = rounds[1:]
@@ -240,6 +287,11 @@ def main() -> None:
             if p.get("chunk_limit_s"):
                 step_budget = max(p["ratio"] * r["decode_gap_median_s"], p["chunk_limit_s"])
                 r["target_gap_engine_s"] = round(3 * r["decode_gap_median_s"] + step_budget, 4)
+            for rr in [r, *r.get("later_rounds", [])]:
+                if "depth" in rr and p.get("ratio"):
+                    rr["depth"] = judge_at_depth(rr["depth"], p)
+                else:
+                    rr.pop("depth", None)
             r["gap_over_decode"] = round(r["longest_gap_s"] / r["decode_gap_median_s"], 1)
             results[name] = r
             print(name, json.dumps(r), flush=True)

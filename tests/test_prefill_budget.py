@@ -252,3 +252,35 @@ def test_mtp_decoding_with_chunks_that_shrink_is_the_same_batched_and_alone(tiny
 
     batched = run(jobs)
     assert batched == [run([(0, *job[1:])])[0] for job in jobs]
+
+
+def test_a_prompt_longer_than_a_chunk_joins_the_step_after_its_last_chunk_while_rows_decode(tiny_text) -> None:
+    """Its join (KV copy, first decode, perhaps its leaving) is not stacked on a step that already ran prefill while
+    streams wait on it; a one-chunk prompt, or a long one with nothing decoding, joins in the step of its last chunk."""
+    model, tok = tiny_text
+    rng = np.random.default_rng(5)
+
+    def join_steps(prompt_len: int, beside: bool) -> tuple[int, int]:
+        """(the step of its last chunk, the step it joined in)."""
+        sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=256)
+        sched.prefill_chunk = 16
+        if beside:
+            sched.add(TextRequest("s", rng.integers(10, 3000, size=5).tolist(), SamplingOptions(max_tokens=100)))
+            sched.step()
+        sched.add(TextRequest("p", rng.integers(10, 3000, size=prompt_len).tolist(), SamplingOptions(max_tokens=3)))
+        last_chunk = joined = None
+        for step in range(100):
+            before = sched.prompt_tokens
+            sched.step()
+            if sched.prompt_tokens > before:
+                last_chunk = step
+            if joined is None and any(r.rid == "p" for r in sched.running):
+                joined = step
+                break
+        return last_chunk, joined
+
+    chunked = join_steps(60, beside=True)
+    assert chunked[1] == chunked[0] + 1  # four chunks (one step here: no time limit), then the join starts the next step
+    assert join_steps(12, beside=True) == (0, 0)  # one chunk: prefilled and joined in one step
+    alone = join_steps(60, beside=False)
+    assert alone[0] == alone[1]  # nothing decoding: no stream to spare

@@ -221,8 +221,9 @@ def test_scoring_and_sparse_prefill_run_in_pieces_between_decode_steps(tiny, dra
         streamed += sum(len(o.new_token_ids) for o in outs if o.request_id == "stream")
         assert steps < 50
     # At most 64 prompt tokens a step (--prefill-step-size), one decode step each: 4 steps of 64 draft tokens, one of
-    # the last 3 and the 8 look-ahead tokens, then the 99 kept tokens as 64 + 35.
-    assert steps == 4 + 1 + 2 and streamed == steps
+    # the last 3 and the 8 look-ahead tokens, then the 99 kept tokens as 64 + 35, then the join, first thing in a step
+    # of its own (a prompt longer than a chunk beside a decoding stream).
+    assert steps == 4 + 1 + 2 + 1 and streamed == steps
     assert sp.metrics.requests == 1 and sp.metrics.tokens_kept == 3 * 32 + 3
 
 

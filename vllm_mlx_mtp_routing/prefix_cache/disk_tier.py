@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .snapshot import Snapshot, _KV
+from .snapshot import KVSegment, Snapshot
 from .tree import Entry, PrefixTree
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def _encode(snap: Snapshot) -> tuple[dict[str, mx.array], list[Any]]:
     arrays: dict[str, mx.array] = {}
     layout: list[Any] = []
     for i, part in enumerate(snap.layers):
-        if isinstance(part, _KV):
+        if isinstance(part, KVSegment):
             if part.start != 0:
                 raise ValueError("a disk snapshot holds its KV from position 0")
             if part.keys is not None:
@@ -79,15 +79,15 @@ def _encode(snap: Snapshot) -> tuple[dict[str, mx.array], list[Any]]:
 
 
 def _decode(arrays: dict[str, mx.array], layout: list[Any], head: list[Any] | None, length: int) -> Snapshot:
-    layers: list[_KV | list[mx.array]] = []
+    layers: list[KVSegment | list[mx.array]] = []
     for i, spec in enumerate(layout):
         if spec[0] == "kv":
-            layers.append(_KV(0, spec[1], arrays[f"l{i}.k"], arrays[f"l{i}.v"]) if spec[2] else _KV(0, spec[1], None, None))
+            layers.append(KVSegment(0, spec[1], arrays[f"l{i}.k"], arrays[f"l{i}.v"]) if spec[2] else KVSegment(0, spec[1], None, None))
         else:
             layers.append([arrays[f"l{i}.s{j}"] for j in range(spec[1])])
     heads = None
     if head is not None:
-        heads = [_KV(s, e, arrays[f"h{j}.k"], arrays[f"h{j}.v"]) if has else _KV(s, e, None, None)
+        heads = [KVSegment(s, e, arrays[f"h{j}.k"], arrays[f"h{j}.v"]) if has else KVSegment(s, e, None, None)
                  for j, (s, e, has) in enumerate(head)]
     return Snapshot(length, layers, heads, arrays.get("head_hidden") if heads is not None else None)
 

@@ -33,7 +33,10 @@ def _own(x: mx.array) -> mx.array:
 
 
 @dataclass
-class _KV:
+class KVSegment:
+    """Positions [start, end) of one attention layer's keys and values (None: no keys there); the disk tier writes and
+    reads them as they are."""
+
     start: int
     end: int
     keys: mx.array | None
@@ -44,20 +47,20 @@ class _KV:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def _kv_segment(c: KVCache, start: int) -> _KV:
+def _kv_segment(c: KVCache, start: int) -> KVSegment:
     end = c.offset
     if start > end:
         raise ValueError(f"KV segment start {start} past the cache's {end} tokens")
     if end == start or c.keys is None:
-        return _KV(start, end, None, None)
-    return _KV(start, end, _own(c.keys[..., start:end, :]), _own(c.values[..., start:end, :]))
+        return KVSegment(start, end, None, None)
+    return KVSegment(start, end, _own(c.keys[..., start:end, :]), _own(c.values[..., start:end, :]))
 
 
 @dataclass
 class Snapshot:
     length: int
-    layers: list[_KV | list[mx.array]]  # per model layer: a KV segment or the gated-delta state
-    head: list[_KV] | None = None  # the MTP head's KV segments (its caches hold length - 1 pairs)
+    layers: list[KVSegment | list[mx.array]]  # per model layer: a KV segment or the gated-delta state
+    head: list[KVSegment] | None = None  # the MTP head's KV segments (its caches hold length - 1 pairs)
     head_hidden: mx.array | None = None  # [1, 1, H]: the hidden state at length - 1
 
     @property
@@ -67,7 +70,7 @@ class Snapshot:
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []
         for part in [*self.layers, *(self.head or [])]:
-            if isinstance(part, _KV):
+            if isinstance(part, KVSegment):
                 out += [a for a in (part.keys, part.values) if a is not None]
             else:
                 out += part
@@ -83,7 +86,7 @@ def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
     if state.position is not None and state.position != length:
         raise ValueError("a sparse prefill's state has no exact prefix snapshot")
     start = 0 if base is None else base.length
-    layers: list[_KV | list[mx.array]] = []
+    layers: list[KVSegment | list[mx.array]] = []
     for i, c in enumerate(state.backbone):
         if isinstance(c, KVCache):
             if c.offset != length:
@@ -108,7 +111,7 @@ def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
     return snap
 
 
-def _join_kv(parts: list[_KV]) -> KVCache:
+def _join_kv(parts: list[KVSegment]) -> KVCache:
     c = KVCache()
     pos = 0
     keys, values = [], []
@@ -127,7 +130,7 @@ def _join_kv(parts: list[_KV]) -> KVCache:
     return c
 
 
-def _head_parts(chain: list[Snapshot], j: int) -> list[_KV] | None:
+def _head_parts(chain: list[Snapshot], j: int) -> list[KVSegment] | None:
     """Head layer j's segments back to position 0 through the chain, or None where it breaks."""
     parts = [chain[-1].head[j]]
     for s in reversed(chain[:-1]):

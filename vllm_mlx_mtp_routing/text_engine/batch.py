@@ -27,8 +27,9 @@ Step rule (``step``): admit waiting requests while running + prefilling < ``max_
 prefill chunks, oldest request first, while this step's prompt tokens stay within
 ``prefill_step_size`` (always at least one chunk; a long prompt advances one chunk per step,
 several short ones share a step; a request waits for the one before it); requests whose prefill
-finished join the batch; then one decode step for the whole batch. A long prompt therefore delays
-the running rows by at most one chunk per step.
+finished join the batch (one longer than a chunk, while rows are decoding, at the start of the next
+step rather than after this step's prefill); then one decode step for the whole batch. A long prompt
+therefore delays the running rows by at most one chunk per step.
 """
 
 from __future__ import annotations
@@ -203,6 +204,13 @@ class BatchScheduler:
                 continue
             if seq.prefilled < seq.to_prefill:
                 break  # budget spent: later requests wait, keeping the queue order
+            if done and self.running and seq.to_prefill > self.prefill_chunk:
+                # A prompt longer than a chunk joins first thing next step, not after this step's prefill: its join
+                # (its KV copied into the batch; with MTP the head over the prompt's end), its first decode and, at
+                # max_tokens 1, its leaving cost the streams ~1.5 decode steps more at 16K tokens on an H100
+                # (benchmarks/leave_step.py), past the prefill budget this step already spent. Shorter ones join at
+                # once: their joins are cheap, and a burst of them would otherwise take a step each.
+                break
             tic = time.perf_counter()
             self._join(seq)
             record.joins += 1

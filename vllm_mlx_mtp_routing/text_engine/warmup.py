@@ -8,16 +8,20 @@ size, and every running stream stalled with it.
 
 ``run`` steps throwaway rows through the engine's own decode strategy once at each batch size 1..N, one row
 joining per size as requests do: a plain step, and with MTP a verify of the configured draft count where the
-strategy would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. The rows live in a scheduler of their own (its batch caches, counters and step
-profile; no prefix cache, no SpecPrefill) stepping a twin of the strategy (MTP: its own counts and a policy that
-drafts where told), all dropped afterwards: nothing is counted, cached or reserved, and no later request's output
-changes. Short prompts, greedy, a fixed seed (no draw from the process's random state), no stop token.
+strategy would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. Where the
+server has a prefix cache, that row's snapshots are taken (one mid-prompt, one at the end of its generation) and a
+follow-up request restores one: on an H100 the first end-of-generation snapshot took 4.2 s
+(benchmarks/leave_step.py), a stall every stream of a fresh server met at its first finished request. The rows live
+in a scheduler of their own (its batch caches, counters and step profile; a throwaway prefix cache of the server's
+kind, no SpecPrefill) stepping a twin of the strategy (MTP: its own counts and a policy that drafts where told), all
+dropped afterwards: nothing is counted, cached or reserved, and no later request's output changes. Short prompts,
+greedy, a fixed seed (no draw from the process's random state), no stop token.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -34,6 +38,7 @@ MAX_BATCH = 8
 PROMPT_TOKENS = 4
 # The long row: past the KV pool's slack (9 blocks of 64), so that the pool compacts when it leaves.
 LONG_ROW_TOKENS = 9 * 64 + 1
+SNAPSHOT_BUDGET = 512 << 20  # the throwaway prefix cache's: the long row's two snapshots
 MODES = ("auto", "on", "off")
 
 
@@ -60,6 +65,8 @@ class Warmup:
     verify_batch_sizes: list[int]
     seconds: float
     seconds_by_batch_size: list[float]
+    snapshots: int = 0  # taken and restored by the rehearsal's throwaway prefix cache (0, 0: the server has none)
+    snapshot_hits: int = 0
 
     def stats(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,19 +92,23 @@ def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
         decode = decode.twin(policy)
     sizes = sorted(batch_sizes)
     try:
-        verified, seconds = _rehearse(scheduler, decode, policy, sizes)
+        verified, seconds, snapshots = _rehearse(scheduler, decode, policy, sizes)
     finally:
         mx.clear_cache()  # the rehearsal's buffers, released with it, go back to the device
-    return Warmup(sizes, decode.k if policy is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds)
+    return Warmup(sizes, decode.k if policy is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds,
+                  *snapshots)
 
 
 def _rehearse(
     scheduler: BatchScheduler, decode: Any, policy: ScriptedDrafts | None, sizes: list[int]
-) -> tuple[list[int], list[float]]:
-    """(sizes that took a verify, seconds per size) of a scheduler of its own, dropped on return."""
+) -> tuple[list[int], list[float], tuple[int, int]]:
+    """(sizes that took a verify, seconds per size, (snapshots taken, restored)) of a scheduler of its own, dropped on
+    return."""
+    cache = scheduler.prefix_cache
     rehearsal = BatchScheduler(
         scheduler.model, scheduler.tokenizer, max_num_seqs=max(sizes, default=1),
         prefill_step_size=scheduler.prefill_step_size, decode=decode,
+        prefix_cache=type(cache)(scheduler.model, SNAPSHOT_BUDGET, with_head=cache.with_head) if cache is not None else None,
     )
     rehearsal.eos_ids = set()  # the rows run until they are dropped, whatever they generate
     options = SamplingOptions(max_tokens=1 << 30, seed=0)
@@ -124,7 +135,11 @@ def _rehearse(
             rehearsal.abort(row.rid)
         for row in [*rehearsal.prefilling, *rehearsal.waiting]:
             rehearsal.abort(row.rid)
-    return verified, seconds
+    if rehearsal.prefix_cache is None:
+        return verified, seconds, (0, 0)
+    counts = rehearsal.prefix_cache.saved, rehearsal.prefix_cache.hits
+    rehearsal.prefix_cache.clear()
+    return verified, seconds, counts
 
 
 def _long_row(rehearsal: BatchScheduler, scheduler: BatchScheduler, options: SamplingOptions,
@@ -136,15 +151,29 @@ def _long_row(rehearsal: BatchScheduler, scheduler: BatchScheduler, options: Sam
         rehearsal.abort(rehearsal.running[-1].rid)  # room for it
     rehearsal.prefill_chunk, rehearsal.chunk_grid = scheduler.prefill_chunk, scheduler.chunk_grid
     n = max(2 * scheduler.prefill_chunk + 1, LONG_ROW_TOKENS)
-    rehearsal.add(TextRequest("warmup-long", [1 + j % 7 for j in range(n)], options))
+    prompt = [1 + j % 7 for j in range(n)]
     if policy is not None:
         policy.drafting = False
     rows = len(rehearsal.running) + 1
-    while len(rehearsal.running) < rows:
-        _check(rehearsal.step(), rows)
-    rehearsal.abort("warmup-long")
-    if rehearsal.running:
-        _check(rehearsal.step(), rows - 1)
+    if rehearsal.prefix_cache is None:
+        rehearsal.add(TextRequest("warmup-long", prompt, options))
+        while len(rehearsal.running) < rows:
+            _check(rehearsal.step(), rows)
+        rehearsal.abort("warmup-long")
+        if rehearsal.running:
+            _check(rehearsal.step(), rows - 1)
+        return
+    # Two tokens, then it finishes as requests do: its end-of-generation snapshot and its leaving; the follow-up
+    # restores the mid-prompt one.
+    rehearsal.add(TextRequest("warmup-long", prompt, replace(options, max_tokens=2), snapshot_at=[(n // 2, "system")]))
+    _until_done(rehearsal, "warmup-long", rows)
+    rehearsal.add(TextRequest("warmup-hit", prompt[: n // 2 + 3], replace(options, max_tokens=2)))
+    _until_done(rehearsal, "warmup-hit", rows)
+
+
+def _until_done(rehearsal: BatchScheduler, rid: str, batch: int) -> None:
+    while any(r.rid == rid for r in [*rehearsal.waiting, *rehearsal.prefilling, *rehearsal.running]):
+        _check(rehearsal.step(), batch)
 
 
 def _check(outputs: list[Any], batch: int) -> None:
