@@ -122,14 +122,15 @@ def test_flags_budget_and_warm_prompts(tiny_vlm_fp32, logs, tmp_path):
 
 
 def test_bounded_memory_many_distinct_long_prompts(tiny_vlm_fp32, logs):
-    """A small budget: 8 distinct long prompts (~600 tokens, a third of the budget each: evictions from the
-    fourth on) leave the cache under it, evictions counted, admission counting the cache, nothing crashing."""
+    """A small budget: 6 distinct long prompts (~600 tokens, a third of the budget each: evictions from the
+    fourth on) leave the cache under it after each of them, evictions counted, admission counting the cache,
+    nothing crashing."""
     with serve(tiny_vlm_fp32, *BASE, "--cache-memory-mb", "1", log_dir=logs) as server:
         client = _client(server)
-        for i in range(8):
+        for i in range(6):
             system = f"Persona {i}: " + " ".join(f"w{(i * 37 + j) % 997}" for j in range(150))
             _chat(client, [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}])
-            if i % 4 == 3:
+            if i >= 2:  # full from the third on: each later prompt evicts
                 stats = _status(server)["prefix_cache"]
                 assert stats["bytes"] <= stats["budget_bytes"] == 2**20
         status = _status(server)

@@ -193,13 +193,17 @@ def test_a_long_wait_gets_the_response_start_and_keep_alives_then_an_error_frame
                 async def blocker() -> None:  # holds the only slot longer than the queue timeout
                     payload = body(s, "def loop():", max_tokens=6000, stream=True)
                     async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
-                        async for _ in response.aiter_lines():
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {"):
+                                decoding.set()
                             if stop.is_set():
                                 return
 
-                stop = asyncio.Event()
+                stop, decoding = asyncio.Event(), asyncio.Event()
                 task = asyncio.create_task(blocker())
-                await asyncio.sleep(1.0)
+                # the wait starts once the blocker holds the slot (its first token came), not after a fixed sleep:
+                # every second before it is a second of decoding the test does not need
+                await asyncio.wait_for(decoding.wait(), timeout=60)
                 t0 = time.monotonic()
                 payload = body(s, "x", max_tokens=4, stream=True)
                 async with client.stream("POST", "/v1/chat/completions", json=payload) as response:

@@ -69,7 +69,7 @@ def test_committed_draft_fits_and_shares_the_tokenizer() -> None:
     import eval_perplexity as E
     from eval_tiny_qwen35 import heldout_tokens
 
-    ids = heldout_tokens(DRAFT, Path(__import__("sysconfig").get_paths()["stdlib"]))[: 4 * 257 + 1]
+    ids = heldout_tokens(DRAFT, Path(__import__("sysconfig").get_paths()["stdlib"]), limit=4 * 257 + 1)
     # 884 in bf16 on these 1024 tokens; the builder's random init of the same shape: 5.9e6 (uniform: 4096)
     assert E.perplexity(draft, ids, seq=256, windows=4, batch=4)["ppl"] < 2000
 

@@ -8,8 +8,10 @@ longest row's capacity: ~7.6x here), while rows join, decode, roll back drafts a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from vllm_mlx_mtp_routing.text_engine import (
     BatchScheduler,
@@ -18,6 +20,24 @@ from vllm_mlx_mtp_routing.text_engine import (
     SamplingOptions,
     TextRequest,
 )
+
+
+@pytest.fixture(scope="module")
+def two_layers(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model's shape with one linear-attention and one full-attention layer (the default has three and one):
+    the KV held per attention layer is the same, and the 4000-token prefill runs one gated-delta recurrence, not three
+    (on MLX's CPU backend it steps token by token: most of this module's time)."""
+    from mlx_vlm import load
+
+    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from vllm_mlx_mtp_routing.text_model import build_text_model
+
+    path = tmp_path_factory.mktemp("two-layers") / "model"
+    build_tiny_qwen35_vlm(path, num_layers=2, full_attention_interval=2, tokenizer_from=tiny_vlm_fp32)
+    vlm, processor = load(str(path))
+    bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
+    assert bundle.mtp is not None
+    return bundle, processor.tokenizer
 
 
 def _attention_caches(sched):
@@ -36,8 +56,8 @@ def _own_need(caches) -> int:
     return total
 
 
-def test_long_row_beside_short_rows_holds_its_own_length(tiny):
-    bundle, tok = tiny
+def test_long_row_beside_short_rows_holds_its_own_length(two_layers):
+    bundle, tok = two_layers
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 3000, size=4000).tolist()] + [rng.integers(10, 3000, size=20).tolist() for _ in range(7)]
     # The head over the whole prompt, as admission projects it (with the default --mtp-prompt-pairs

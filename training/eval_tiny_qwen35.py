@@ -32,17 +32,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny_qwen35 import is_heldout, stdlib_files  # noqa: E402
 
 
-def heldout_tokens(model_dir: Path, stdlib: Path) -> np.ndarray:
+def heldout_tokens(model_dir: Path, stdlib: Path, limit: int | None = None) -> np.ndarray:
+    """The held-out files' tokens, each file ended by <|endoftext|>; with ``limit``, only the first ``limit``
+    (the files after them are not read: all of them are ~345K tokens)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     sep = tok.token_to_id("<|endoftext|>")
     ids: list[int] = []
     for f in stdlib_files(stdlib):
+        if limit is not None and len(ids) >= limit:
+            break
         if is_heldout(str(f.relative_to(stdlib))):
             ids.extend(tok.encode(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False).ids)
             ids.append(sep)
-    return np.asarray(ids, dtype=np.int32)
+    return np.asarray(ids[:limit], dtype=np.int32)
 
 
 def load_served(model_dir: Path):
