@@ -4,10 +4,9 @@
 A prompt's last chunk is as long as what is left of it: a new prompt length is a new chunk length, and on
 MLX's CUDA backend the first forward at a new length paid 0.05-0.09 s more than the next one (BENCHMARKS.md
 section 7) beyond what the depthwise conv cost. Here, over a cache --position tokens deep, each of --lengths is
-run twice through the whole model (first: its one-off costs; second: steady) and then, to find the one-off,
-through its parts alone at that length, each at a length new to it: every distinct matmul shape of the model's
-linear layers (x @ W.T for each weight shape), scaled dot-product attention with the causal mask, the
-gated-delta conv and recurrence kernels' first calls are in the forward already.
+run twice through the whole model (first: its one-off costs; second: steady), and then every distinct matmul shape
+of the model's linear layers (x @ W.T per weight shape) alone, twice, at a row count no forward has run: the
+matmuls' share of the one-off. (Causal attention's first call at a new query length: benchmarks/shape_compiles.py.)
 
   python benchmarks/tail_compiles.py --shape 2b --lengths 300,301,417,513,592 --out tail_compiles-gpu.json
 """
