@@ -57,6 +57,20 @@ def chat(server: Server, content: object, **kw: object) -> dict:
     return {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
 
 
+def error_frame(lines: list[str]) -> dict | None:
+    """The stream's error frame (``data: {"error": ...}``), or None. Parsed, not searched for: a token whose text is
+    ``error`` makes a frame with ``"content":"error"`` (one stream of a 1000-request soak, counted as failed)."""
+    for line in lines:
+        if line.startswith("data: {"):
+            try:
+                frame = json.loads(line[6:])
+            except ValueError:
+                continue
+            if "error" in frame:
+                return frame["error"] if isinstance(frame["error"], dict) else {"message": frame["error"]}
+    return None
+
+
 async def one(client: httpx.AsyncClient, server: Server, kind: str, rng: random.Random) -> tuple[str, int, str]:
     text = rng.choice(["def f(x):", "import os", "class A:", "for i in range(3):", "The sky is"])
     image = [{"type": "text", "text": "describe"},
@@ -80,9 +94,9 @@ async def one(client: httpx.AsyncClient, server: Server, kind: str, rng: random.
                     if kind == "cancel" and chunks == 2:
                         rid = json.loads(lines[0][6:])["id"]
                         await client.post(f"/v1/requests/{rid}/cancel")
-            body = "\n".join(lines)
-            if '"error"' in body and kind != "cancel":
-                return kind, 500 if '"code": 500' in body or '"code":500' in body else 299, body[-300:]
+            error = error_frame(lines)
+            if error is not None and kind != "cancel":
+                return kind, 500 if error.get("code") == 500 else 299, json.dumps(error)[:300]
             return kind, 200, ""
     if kind == "plain":
         r = await client.post("/v1/chat/completions", json=chat(server, text, max_tokens=rng.randint(4, 24)))
