@@ -38,10 +38,10 @@ def timed(fn) -> float:
 
 
 def weight_shapes(model: nn.Module) -> list[tuple[int, int, str]]:
-    """The distinct (out, in) shapes of the model's linear layers (quantized ones by their logical shape)."""
+    """The distinct (out, in) shapes of the model's plain linear layers (a quantized layer is another kernel)."""
     shapes: dict[tuple[int, int], str] = {}
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and not isinstance(m, nn.QuantizedLinear):
+        if isinstance(m, nn.Linear):
             shapes.setdefault(tuple(m.weight.shape), name)
     return [(o, i, name) for (o, i), name in sorted(shapes.items())]
 
