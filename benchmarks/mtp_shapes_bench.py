@@ -442,7 +442,9 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
 def prefill_tax(model: TextModel, head: MTPHead, n_tokens: int, vocab: int, repeats: int) -> dict:
     """One prompt prefilled as the engine prefills it (``prefill`` of each strategy, in the chunks
     the server would calibrate), without and with MTP, alternating; median seconds."""
-    budget = calibrate(model, max_chunk=2048, ratio=3.0, vocab_size=vocab)
+    # as a server with --prefill-step-size 2048 would; a chunk never outgrows the prompt (one of at most 16 tokens
+    # needs no measuring)
+    budget = calibrate(model, max_chunk=min(2048, n_tokens), ratio=3.0, vocab_size=vocab)
     chunk = budget.chunk_tokens
     ids = mx.random.randint(10, vocab, (1, n_tokens), key=mx.random.key(3)).astype(mx.uint32)
     # mtp: the head over the prompt's last DEFAULT_PROMPT_PAIRS positions (the default); mtp_all:

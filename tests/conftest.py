@@ -22,7 +22,7 @@ from vllm_mlx_mtp_routing.testing.tiny_model import tiny_model_dir
 # Modules that take the same server from `shared_server` are one work unit, so it starts once.
 SHARED_SERVER_UNITS = {
     "test_routing_e2e.py": "stock-fp32-server", "test_server_bridge_e2e.py": "stock-fp32-server",
-    "test_mtp_e2e.py": "trained-plain-server", "test_logits_processing_e2e.py": "trained-plain-server",
+    "test_mtp_e2e.py": "trained-servers", "test_logits_processing_e2e.py": "trained-servers",
 }
 
 
@@ -89,19 +89,44 @@ def vllm_mlx_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     launcher.disable()
 
 
+class _SharedServers:
+    """One server per (model, flags), kept while the work unit that uses it runs (its modules run one after another
+    on one worker) and stopped when the unit ends: an idle server still costs ~3% of a core (the host's scheduler
+    polls), over the rest of the session."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._servers: dict[tuple[str, tuple[str, ...]], Server] = {}
+        self._stack = contextlib.ExitStack()
+
+    def get(self, model: Path, *flags: str) -> Server:
+        key = (str(model), flags)
+        if key not in self._servers:
+            self._servers[key] = self._stack.enter_context(serve(model, *flags, log_dir=self._tmp.mktemp("shared-server")))
+        return self._servers[key]
+
+    def close(self) -> None:
+        self._servers.clear()
+        self._stack.close()
+
+
+_shared_servers: _SharedServers | None = None
+
+
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """`get(model, *flags) -> Server`: one server per (model, flags) for the whole session (a start-up is ~1 s of
-    CPU), for tests that only read from it or count by deltas. Its modules go in SHARED_SERVER_UNITS."""
-    servers: dict[tuple[str, tuple[str, ...]], Server] = {}
-    with contextlib.ExitStack() as stack:
-        def get(model: Path, *flags: str) -> Server:
-            key = (str(model), flags)
-            if key not in servers:
-                servers[key] = stack.enter_context(serve(model, *flags, log_dir=tmp_path_factory.mktemp("shared-server")))
-            return servers[key]
+    """`get(model, *flags) -> Server`: one server per (model, flags) for the work unit (a start-up is ~1 s of CPU),
+    for tests that only read from it or count by deltas. Its modules go in SHARED_SERVER_UNITS."""
+    global _shared_servers
+    _shared_servers = _SharedServers(tmp_path_factory)
+    yield _shared_servers.get
+    _shared_servers.close()
+    _shared_servers = None
 
-        yield get
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _shared_servers is not None and (nextitem is None or _work_unit(nextitem.nodeid) != _work_unit(item.nodeid)):
+        _shared_servers.close()
 
 
 @pytest.fixture(scope="session")

@@ -66,9 +66,11 @@ def test_find_acceptance_nested() -> None:
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The one-command benchmark against the real server, host and plugin, tiny random model."""
-    rc = SB.main(["--quick", "--out-dir", str(tmp_path), "--concurrency", "1,2", "--max-tokens", "8"])
+def test_quick_run_end_to_end(tmp_path: Path, tiny_vlm_bf16: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The one-command benchmark against the real server, host and plugin, on the tiny random model it would build
+    (the suite's bf16 build: the same sizes, seed and tokenizer, built once)."""
+    rc = SB.main(["--quick", "--model", str(tiny_vlm_bf16), "--out-dir", str(tmp_path), "--concurrency", "1,2",
+                  "--max-tokens", "8"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     report = json.loads(last)
     assert rc == 0
@@ -118,7 +120,7 @@ def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
     import mtp_shapes_bench as MSB
 
     out = tmp_path / "shapes.json"
-    assert MSB.main(["--smoke", "--batches", "2", "--prefill-tokens", "32", "--prefill-repeats", "1", "--iters", "1",
+    assert MSB.main(["--smoke", "--batches", "2", "--prefill-tokens", "16", "--prefill-repeats", "1", "--iters", "1",
                      "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and res["device"] and res["versions"]["mlx"] and res["versions"]["mlx_lm"]

@@ -24,6 +24,7 @@ from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 pytestmark = pytest.mark.server
 
 FLAGS = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "32")
+MTP_ALWAYS = ("--enable-mtp", "--mtp-schedule", "always", "--mtp-prompt-pairs", "4")  # test_mtp_e2e's, to share its server
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen35-trained"
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    "
 REPEATS = "the the the the"  # greedy repeats tokens after it: every penalty changes the output
@@ -135,11 +136,12 @@ def test_logprobs_equal_the_models_log_softmax(server: Server, tiny) -> None:
 
 # -- the trained tiny model: JSON mode, and every option with MTP equals without ------------------
 
-# 16 tokens: each option has changed the output by then; JSON mode gets room to close the object and stop.
-MAX_TOKENS = 16
+# 12 tokens: each option has changed the output by then (most within 4); JSON mode gets room to close the object
+# and stop.
+MAX_TOKENS = 12
 OPTIONS = {
     "json": {"response_format": {"type": "json_object"}, "max_tokens": 32},
-    "logit_bias": {"logit_bias": {"220": -100, "198": -100}},
+    "logit_bias": {"logit_bias": {"258": -100, "198": -100}},  # the indent and the newline: both come early
     "presence": {"presence_penalty": 1.5},
     "frequency": {"frequency_penalty": 1.0},
     "repetition": {"extra_body": {"repetition_penalty": 1.5}},
@@ -168,12 +170,12 @@ def _all(server: Server) -> dict:
 
 
 @pytest.mark.skipif(not TRAINED.is_dir(), reason="the trained tiny model is not in the checkout")
-def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(tmp_path: Path, shared_server: Callable[..., Server]) -> None:
-    with serve(TRAINED, *FLAGS, "--enable-mtp", "--mtp-schedule", "always", log_dir=tmp_path) as server:
-        with_mtp = _all(server)
-        status = server.get("/v1/status").json()["plugins"]["mtp-routing"]
-        assert routing(server)["fallback"] == 0
-    server = shared_server(TRAINED, *FLAGS)  # test_mtp_e2e's server without MTP too
+def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(shared_server: Callable[..., Server]) -> None:
+    server = shared_server(TRAINED, *FLAGS, *MTP_ALWAYS)  # test_mtp_e2e's servers, with MTP and without
+    with_mtp = _all(server)
+    status = server.get("/v1/status").json()["plugins"]["mtp-routing"]
+    assert routing(server)["fallback"] == 0
+    server = shared_server(TRAINED, *FLAGS)
     without = _all(server)
     assert routing(server)["fallback"] == 0
     assert with_mtp == without
