@@ -18,13 +18,13 @@ import openai
 import pytest
 
 from logits_reference import generated_logprobs, reference_greedy
+from test_mtp_e2e import MTP_ALWAYS  # its server with MTP is this module's too (shared_server)
 from vllm_mlx_mtp_routing.testing.server import Server, serve
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 
 pytestmark = pytest.mark.server
 
 FLAGS = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "32")
-MTP_ALWAYS = ("--enable-mtp", "--mtp-schedule", "always", "--mtp-prompt-pairs", "4")  # test_mtp_e2e's, to share its server
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen35-trained"
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    "
 REPEATS = "the the the the"  # greedy repeats tokens after it: every penalty changes the output
@@ -172,8 +172,10 @@ def _all(server: Server) -> dict:
 @pytest.mark.skipif(not TRAINED.is_dir(), reason="the trained tiny model is not in the checkout")
 def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(shared_server: Callable[..., Server]) -> None:
     server = shared_server(TRAINED, *FLAGS, *MTP_ALWAYS)  # test_mtp_e2e's servers, with MTP and without
+    before = server.get("/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
     with_mtp = _all(server)
-    status = server.get("/v1/status").json()["plugins"]["mtp-routing"]
+    after = server.get("/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
+    drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]  # a shared server
     assert routing(server)["fallback"] == 0
     server = shared_server(TRAINED, *FLAGS)
     without = _all(server)
@@ -184,7 +186,7 @@ def test_every_option_with_mtp_equals_without_and_json_mode_is_valid(shared_serv
         assert alone[name][0] != alone["plain"][0], name  # each option really changed the output
     # the host's thinking-budget processor closed the reasoning after 3 tokens (the prompt opens it)
     assert [t for t, _ in json.loads(alone["thinking"][1])][3] == "</think>"
-    assert status["mtp"]["accepted"] > 0 and status["mtp"]["drafted"] > status["mtp"]["accepted"]  # drafts kept and rejected
+    assert accepted > 0 and drafted > accepted  # drafts kept and rejected
     text, _, finish = alone["json"]
     assert isinstance(json.loads(text), dict) and finish == "stop"  # the processor closed the JSON and ended it
     assert with_mtp["alone"]["logprobs"][1] is not None
