@@ -47,3 +47,36 @@ def test_a_forked_server_stops_on_sigterm_like_a_subprocess(tiny_vlm_fp32: Path,
         server.proc.terminate()
         assert server.proc.wait(30) == -15  # uvicorn re-raises SIGTERM once shut down, as with subprocess.Popen
     assert "Application shutdown complete." in server.log()
+
+
+def test_a_forked_program_sees_what_a_fresh_interpreter_sees(tmp_path: Path) -> None:
+    """`python -c` through a fork server of its own whose PYTHONPATH the run extends: the same argv, import path,
+    output and exit status as a fresh interpreter; an extra path that shadows a module the fork server imported
+    makes the child exec afresh."""
+    base, extra, shadow = (tmp_path / name for name in ("base", "extra", "shadow"))
+    for folder in (base, extra, shadow):
+        folder.mkdir()
+    (extra / "extra_module.py").write_text("WHERE = 'extra'\n")
+    (shadow / "json.py").write_text("")
+    code = "\n".join([
+        "import sys, extra_module",
+        "print('preloaded', 'json' in sys.modules)",
+        "print(sys.argv, sys.path[:3], extra_module.WHERE)",
+        "raise ValueError('from the program')",
+    ])
+    fork_server = launcher.of_own({**os.environ, "PYTHONPATH": str(base)}, preload=["json"])
+    assert fork_server is not None
+    try:
+        for paths, forked_expected in (([base, extra], True), ([base, shadow, extra], False)):
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
+            cmd = [sys.executable, "-c", code, "a", "b"]
+            forked = launcher.run(cmd, env=env, timeout=120, via=fork_server)
+            fresh = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+            assert f"preloaded {forked_expected}" in forked.stdout  # forked, or run afresh where a fork would differ
+            assert forked.stdout.replace("preloaded True", "preloaded False") == fresh.stdout
+            assert f"['-c', 'a', 'b'] ['', '{paths[0]}', '{paths[1]}'] extra" in fresh.stdout
+            assert forked.returncode == fresh.returncode == 1
+            assert _without_import_notices(forked.stderr) == _without_import_notices(fresh.stderr)
+            assert fresh.stderr.endswith("ValueError: from the program\n")
+    finally:
+        fork_server.close()

@@ -81,7 +81,8 @@ def test_one_tokenization_gives_the_same_tokens_and_positions(tok, case, tools):
 
 
 def test_shared_tokens_equals_a_full_encode_anywhere(tok):
-    """Any text that agrees with the prompt up to any character, then goes on differently."""
+    """Any text that agrees with the prompt up to any character, then goes on differently: cut on, inside and
+    either side of every added token of the prompt (where SharedTokens splits), and anywhere between them."""
     messages = CASES["tool results"]
     prompt = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     encoding = tok(prompt, add_special_tokens=False)
@@ -93,9 +94,13 @@ def test_shared_tokens_equals_a_full_encode_anywhere(tok):
     shared = SharedTokens(tok, prompt, ids, encoding, encode)
     rng = random.Random(0)
     tails = ["", "Alpha", " x", "\n\n", "<|im_end|>\n<|im_start|>user\n", "é", "<|im_", "ünï", "  \n"]
-    cuts = sorted({rng.randrange(len(prompt) + 1) for _ in range(150)} | {len(prompt)})
+    spans = [encoding.token_to_chars(i) for i, t in enumerate(ids) if t in tok.added_tokens_decoder]
+    assert len(spans) >= 10
+    edges = {c + d for span in spans for c in (span.start, span.end) for d in (-1, 0, 1)}
+    cuts = sorted({c for c in edges if 0 <= c <= len(prompt)} | {rng.randrange(len(prompt) + 1) for _ in range(40)}
+                  | {0, len(prompt)})
     for c in cuts:
-        for tail in rng.sample(tails, 3):
+        for tail in rng.sample(tails, 2):
             text = prompt[:c] + tail
             assert shared(text) == common_tokens(encode(text), ids), (c, tail)
 

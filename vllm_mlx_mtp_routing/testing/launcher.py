@@ -12,6 +12,8 @@ plugin's own engine modules, which register nothing at import, are preloaded wit
 objects are frozen out of the garbage collector's walks. A test plugin's folder on
 ``PYTHONPATH`` joins the child's ``sys.path`` as at interpreter start; a run whose environment differs in anything
 else, or whose ``PYTHONPATH`` shadows a module the fork server imported, execs the command afresh in the child.
+Besides the console script, a child runs ``python -c CODE`` as the interpreter would; a fork server of its own
+(``Launcher(env)``, e.g. with another copy of the host first on ``PYTHONPATH``) serves runs in that environment.
 No MLX operation runs in the fork server, so no MLX thread exists when it forks. Linux only (fork after macOS
 frameworks load is unsafe); elsewhere, and with ``VLLM_MLX_TEST_LAUNCHER=0``, every run is a plain subprocess.
 """
@@ -54,7 +56,25 @@ PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.models.qwen3
            "vllm_mlx_mtp_routing.plugin", "vllm_mlx_mtp_routing.text_model", "vllm_mlx_mtp_routing.text_engine.engine",
            "vllm_mlx_mtp_routing.text_engine.mtp_decode", "vllm_mlx_mtp_routing.prefix_cache.cache",
            "vllm_mlx_mtp_routing.prefix_cache.disk_tier", "vllm_mlx_mtp_routing.admission",
-           "vllm_mlx_mtp_routing.specprefill", "vllm_mlx_mtp_routing.prompt_preparation")
+           "vllm_mlx_mtp_routing.specprefill", "vllm_mlx_mtp_routing.prompt_preparation",
+           # what the host's MLLM scheduler imports at its first start (its batch generator patches the gemma4 and
+           # glm4v-moe models' modules), JSON mode's processor, and the plugin's server-side modules
+           "vllm_mlx.mllm_scheduler", "vllm_mlx.constrained", "lmformatenforcer", "mlx_vlm.models.gemma4.language",
+           "mlx_vlm.models.glm4v_moe.language", "vllm_mlx_mtp_routing.host.choices",
+           "vllm_mlx_mtp_routing.host.server_hooks", "vllm_mlx_mtp_routing.host.request_body",
+           "vllm_mlx_mtp_routing.plugin_manager", "vllm_mlx_mtp_routing.prefix_cache.metrics")
+
+
+def _warm_caches() -> None:
+    """What every child would otherwise redo: PIL's image plugins, and the compiled chat template of the suite's
+    tiny models (transformers keeps compiled templates by their text; the host compiles it at its start, ~50 ms)."""
+    from PIL import Image
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers internal (5.x)
+
+    from .tokenizer_builder import CHAT_TEMPLATE
+
+    Image.init()
+    _compile_jinja_template(CHAT_TEMPLATE)
 
 
 # ---- the fork server ---------------------------------------------------------------------------------------------
@@ -90,24 +110,36 @@ def _changed_vars(env: Mapping[str, str], envs: tuple[Mapping[str, str], Mapping
     return {k for k in env.keys() | before.keys() | after.keys() if env.get(k) not in (before.get(k), after.get(k))}
 
 
+def _import_paths(env: Mapping[str, str]) -> list[str]:
+    """``PYTHONPATH`` as it enters ``sys.path`` at interpreter start: absolute, each once."""
+    entries = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return list(dict.fromkeys(entries))
+
+
 def _fresh_interpreter_needed(env: Mapping[str, str], envs: tuple[Mapping[str, str], Mapping[str, str]]) -> bool:
     """Whether this fork would differ from a fresh interpreter run with ``env``."""
     changed = _changed_vars(env, envs) - RUN_TIME_VARS
     if not changed:
         return False
-    if changed != {"PYTHONPATH"} or envs[0].get("PYTHONPATH"):
+    if changed != {"PYTHONPATH"}:
+        return True
+    base, paths = _import_paths(envs[0]), iter(_import_paths(env))
+    if not all(entry in paths for entry in base):  # the fork server's own import paths, in their order
         return True
     # Extra import paths (a test plugin's folder) are fine unless they hold a module already imported here.
     imported = {name.partition(".")[0] for name in sys.modules}
-    for entry in filter(None, env["PYTHONPATH"].split(os.pathsep)):
+    for entry in set(_import_paths(env)) - set(base):
         names = {Path(n).stem if n.endswith(".py") else n for n in os.listdir(entry)} if os.path.isdir(entry) else {"?"}
         if names & imported or "?" in names:
             return True
     return False
 
 
-def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, str], Mapping[str, str]]) -> None:
-    """In the forked child: take the caller's stdio, directory, environment and argv."""
+def _become(
+    request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, str], Mapping[str, str]], site_path: list[str]
+) -> str | None:
+    """In the forked child: take the caller's stdio, directory, environment and argv; returns the program of a
+    ``python -c`` run."""
     argv, env = list(request["argv"]), dict(request["env"])
     afresh = _fresh_interpreter_needed(env, envs)
     how, changed = "exec" if afresh else "fork", sorted(_changed_vars(env, envs))
@@ -121,10 +153,11 @@ def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, st
         os.execve(argv[0], argv, env)  # the same process, now as the caller would have started it
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = argv
-    # As a fresh interpreter running the console script: its folder first, then PYTHONPATH.
-    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+    program = argv[2] if _is_program(argv) else None
+    # As a fresh interpreter: the console script's folder (the working directory for -c) first, then PYTHONPATH.
+    sys.argv = ["-c", *argv[3:]] if program is not None else argv
+    first = "" if program is not None else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first, *_import_paths(env), *site_path]
     import importlib
 
     importlib.invalidate_caches()
@@ -138,16 +171,27 @@ def _become(request: dict[str, Any], fds: list[int], envs: tuple[Mapping[str, st
         sys.modules["numpy"].random.seed()
     if "mlx.core" in sys.modules:
         sys.modules["mlx.core"].random.seed(int.from_bytes(os.urandom(8), "little"))
+    return program
 
 
-def serve_forks(socket_path: str) -> None:
-    """Preload, then fork one child per request; returns only in a child, ready to run the CLI."""
+def _is_program(argv: Sequence[str]) -> bool:
+    return len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-c"
+
+
+def serve_forks(socket_path: str, preload: Sequence[str] = ()) -> str | None:
+    """Preload (the suite's PRELOAD unless given), then fork one child per request; returns only in a child, ready
+    to run the CLI (or, for a ``python -c`` run, the program it returns)."""
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)  # we fork on purpose
     import importlib
 
     before = dict(os.environ)
-    for name in PRELOAD:
+    own = set(_import_paths(before))
+    site_path = [p for p in sys.path[1:] if p not in own]  # what follows PYTHONPATH in sys.path
+    for name in preload or PRELOAD:
         importlib.import_module(name)
+    if not preload:
+        with contextlib.suppress(ImportError):  # an optimization only
+            _warm_caches()
     envs = (before, dict(os.environ))
     # Out of the collector's reach: a child's full collections (the host's at start and stop, the server's before it
     # freezes its own start-up heap) no longer walk every preloaded object, ~0.25 s of CPU a server start, nor write to
@@ -201,8 +245,7 @@ def serve_forks(socket_path: str) -> None:
                 for other, pidfd in children.values():
                     other.close()
                     os.close(pidfd)
-                _become(request, fds, envs)
-                return
+                return _become(request, fds, envs, site_path)
             for fd in fds:
                 os.close(fd)
             pidfd = os.pidfd_open(pid)
@@ -272,17 +315,19 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _env_of_fork_server() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in RUN_TIME_VARS}
+def _env_of_fork_server(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in RUN_TIME_VARS}
 
 
 class Launcher:
-    """One fork server for this process, started on first use and stopped with this process."""
+    """A fork server for runs in ``env`` (this process's, by default) that imported ``preload`` (PRELOAD, by
+    default), started on first use; ``close`` stops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, preload: Sequence[str] = ()) -> None:
+        self._preload = list(preload)
         self._dir = tempfile.mkdtemp(prefix="vllm-mlx-launcher-")
         self._path = os.path.join(self._dir, "fork.sock")
-        self._env = _env_of_fork_server()
+        self._env = _env_of_fork_server(os.environ if env is None else env)
         self._proc: subprocess.Popen[bytes] | None = None
         self._failed = False
         self._lock = threading.Lock()
@@ -295,8 +340,8 @@ class Launcher:
         if self._proc is None and not self._failed:
             with open(os.path.join(self._dir, "fork-server.log"), "w") as log:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__, self._path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=log, env=self._env,
+                    [sys.executable, "-m", __name__, self._path, *self._preload], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=log, env=self._env,
                 )
             assert self._proc.stdout is not None
             self._failed = self._proc.stdout.readline().strip() != b"ready"
@@ -306,7 +351,7 @@ class Launcher:
         return self._proc is not None and not self._failed and self._proc.poll() is None
 
     def can_run(self, cmd: Sequence[str]) -> bool:
-        return bool(cmd) and cmd[0] == VLLM_MLX  # the child execs it afresh where a fork would differ
+        return bool(cmd) and (cmd[0] == VLLM_MLX or _is_program(cmd))  # afresh in the child where a fork would differ
 
     def popen(
         self, cmd: Sequence[str], *, env: Mapping[str, str], stdout: int, stderr: int, stdin: int | None = None,
@@ -348,6 +393,11 @@ def enable() -> None:
         _LAUNCHER = Launcher()
 
 
+def of_own(env: Mapping[str, str], preload: Sequence[str] = ()) -> Launcher | None:
+    """Where forking is enabled, a fork server of its own for runs in ``env`` (pass it as ``via``; close it)."""
+    return Launcher(env, preload) if _LAUNCHER is not None else None
+
+
 def disable() -> None:
     global _LAUNCHER
     if _LAUNCHER is not None:
@@ -356,24 +406,29 @@ def disable() -> None:
 
 
 def popen(
-    cmd: Sequence[str], *, env: Mapping[str, str], stdout: IO[Any] | int, stderr: IO[Any] | int
+    cmd: Sequence[str], *, env: Mapping[str, str], stdout: IO[Any] | int, stderr: IO[Any] | int,
+    via: Launcher | None = None,
 ) -> ForkedProcess | subprocess.Popen[str]:
     """``subprocess.Popen(cmd, stdout=..., stderr=..., env=..., text=True)``, forked where it can be."""
-    if _LAUNCHER is not None:
+    launcher = via or _LAUNCHER
+    if launcher is not None:
         out = stdout if isinstance(stdout, int) else stdout.fileno()
         err = out if stderr == subprocess.STDOUT else stderr if isinstance(stderr, int) else stderr.fileno()
-        proc = _LAUNCHER.popen(cmd, env=env, stdout=out, stderr=err)
+        proc = launcher.popen(cmd, env=env, stdout=out, stderr=err)
         if proc is not None:
             return proc
     return subprocess.Popen(list(cmd), stdout=stdout, stderr=stderr, text=True, env=dict(env))
 
 
-def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: Sequence[str], *, env: Mapping[str, str], timeout: float, via: Launcher | None = None
+) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)``, forked where it can be."""
-    if _LAUNCHER is None or not _LAUNCHER.can_run(cmd):
+    launcher = via or _LAUNCHER
+    if launcher is None or not launcher.can_run(cmd):
         return subprocess.run(list(cmd), capture_output=True, text=True, env=dict(env), timeout=timeout)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = _LAUNCHER.popen(cmd, env=env, stdout=out.fileno(), stderr=err.fileno())
+        proc = launcher.popen(cmd, env=env, stdout=out.fileno(), stderr=err.fileno())
         if proc is None:
             return subprocess.run(list(cmd), capture_output=True, text=True, env=dict(env), timeout=timeout)
         try:
@@ -390,8 +445,17 @@ def run(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float) -> subpro
 
 
 if __name__ == "__main__":
-    serve_forks(sys.argv[1])
-    # Only a forked child gets here: the console script's body.
+    program = serve_forks(sys.argv[1], sys.argv[2:])
+    # Only a forked child gets here: a -c program, run as the interpreter runs it, or the console script's body.
+    if program is not None:
+        try:
+            exec(compile(program, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        except Exception as e:  # the traceback a fresh interpreter prints: from the program's frame down
+            import traceback
+
+            traceback.print_exception(e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None))
+            sys.exit(1)
+        sys.exit()
     from vllm_mlx.cli import main
 
     sys.argv[0] = sys.argv[0].removesuffix(".exe")

@@ -89,9 +89,10 @@ def serve(
     startup_timeout: float = 180.0,
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
+    via: launcher.Launcher | None = None,
 ) -> Iterator[Server]:
     """``command`` replaces the ``vllm-mlx`` console script (e.g. ``[python, "-c", launcher]``);
-    ``env`` is merged over this process's environment."""
+    ``env`` is merged over this process's environment; ``via``: a fork server of its own (launcher.of_own)."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     for attempt in range(3):
         port = free_port()
@@ -100,7 +101,7 @@ def serve(
             # uvicorn's own line: /health alone could be answered by another process that took the port
             with run_server(cmd, port, model=str(model), log_path=log_dir / f"server-{port}.log", env=full_env,
                             ready_path="/health", startup_timeout=startup_timeout,
-                            ready_line=f"Uvicorn running on http://127.0.0.1:{port}") as server:
+                            ready_line=f"Uvicorn running on http://127.0.0.1:{port}", via=via) as server:
                 yield server
             return
         except PortTaken:
@@ -115,12 +116,12 @@ class PortTaken(RuntimeError):
 @contextlib.contextmanager
 def run_server(
     cmd: list[str], port: int, *, model: str, log_path: Path, env: dict[str, str], ready_path: str,
-    startup_timeout: float = 180.0, ready_line: str | None = None,
+    startup_timeout: float = 180.0, ready_line: str | None = None, via: launcher.Launcher | None = None,
 ) -> Iterator[Server]:
     """Any HTTP server process on 127.0.0.1:``port``: ready once ``ready_path`` answers 200 (and, if given, its
     log has ``ready_line``), stopped on exit."""
     with open(log_path, "w") as log:
-        proc = launcher.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = launcher.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, via=via)
     server = Server(url=f"http://127.0.0.1:{port}", model=model, proc=proc, log_path=log_path)
     try:
         deadline = time.monotonic() + startup_timeout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sysconfig
 from collections.abc import Iterator
@@ -186,13 +187,29 @@ def default_corpus() -> list[Path]:
     return [Path(sysconfig.get_paths()["stdlib"])]
 
 
+_SKIPPED_DIRS = ("site-packages", "tests")
+
+
+def _python_files(root: Path) -> Iterator[Path]:
+    """`sorted(root.rglob("*.py"))`, lazily and without entering skipped folders: the corpus is read only up to
+    its size, and the stdlib folder may hold a large site-packages."""
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.is_dir() and not e.is_symlink():  # as rglob, which does not follow linked folders
+            if e.name not in _SKIPPED_DIRS:
+                yield from _python_files(root / e.name)
+        elif e.name.endswith(".py"):
+            yield root / e.name
+
+
 def _corpus_texts(paths: list[Path], max_chars: int) -> Iterator[str]:
     total = 0
     for root in paths:
         # Sorted and filtered so that the same Python install trains the same merges.
-        files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+        files = [root] if root.is_file() else _python_files(root)
         for f in files:
-            if "site-packages" in f.parts or "test" in f.name or "tests" in f.parts:
+            if any(d in f.parts for d in _SKIPPED_DIRS) or "test" in f.name:
                 continue
             try:
                 text = f.read_text(encoding="utf-8")
