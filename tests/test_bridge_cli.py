@@ -1,7 +1,9 @@
-"""The bridge as users meet it: the stock ``vllm-mlx`` command in a subprocess.
+"""The bridge as users meet it: the stock ``vllm-mlx`` command in a process of its own.
 
 Test plugins are hermetic: each lives in a temp dir with its own ``*.dist-info/entry_points.txt``,
-put on ``PYTHONPATH`` for that subprocess only.
+put on ``PYTHONPATH`` for that process only. Programs that import ``vllm_mlx.cli`` themselves (``python -c``)
+fork from an interpreter that imported transformers and nothing else (testing/launcher.py), which is what that
+import spends its ~1 s of CPU on: the bridge's import hook, armed at interpreter start, meets the host fresh.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,19 @@ def run_cli(*args: str, path: Path | None = None, env: dict[str, str] | None = N
     if path is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), full_env.get("PYTHONPATH", "")]))
     return launcher.run([VLLM_MLX, *args], env=full_env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def programs() -> Iterator[launcher.Launcher | None]:
+    fork_server = launcher.of_own(os.environ, preload=["transformers"])
+    yield fork_server
+    if fork_server is not None:
+        fork_server.close()
+
+
+def run_program(via: launcher.Launcher | None, code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -c code``, as ``subprocess.run`` with ``env`` (this process's by default) would run it."""
+    return launcher.run([sys.executable, "-c", code], env=dict(os.environ) if env is None else env, timeout=120, via=via)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +160,7 @@ def test_abbreviated_plugins_flag_is_refused(plugins_dir: Path) -> None:
     assert "--plugins" in result.stderr
 
 
-def test_without_plugins_nothing_of_the_bridge_loads() -> None:
+def test_without_plugins_nothing_of_the_bridge_loads(programs: launcher.Launcher | None) -> None:
     code = (
         "import sys; sys.argv = ['vllm-mlx', 'serve', 'm']\n"
         "import vllm_mlx.cli as cli; p = cli.create_parser(); p.parse_args(sys.argv[1:])\n"
@@ -152,23 +168,23 @@ def test_without_plugins_nothing_of_the_bridge_loads() -> None:
         "print(sorted(m for m in sys.modules if m in heavy))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_MLX_PLUGINS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    out = run_program(programs, code, env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
-def test_broken_bridge_never_breaks_stock_cli() -> None:
+def test_broken_bridge_never_breaks_stock_cli(programs: launcher.Launcher | None) -> None:
     code = (
         "import sys; sys.modules['vllm_mlx_mtp_routing.host.bridge'] = None\n"
         "sys.argv = ['vllm-mlx', 'serve', '--help']\n"
         "import vllm_mlx.cli as cli; cli.main()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_program(programs, code)
     assert out.returncode == 0
     assert "--continuous-batching" in out.stdout and "--plugins" not in out.stdout
 
 
-def test_native_hooks_make_the_bridge_step_aside(tmp_path: Path) -> None:
+def test_native_hooks_make_the_bridge_step_aside(programs: launcher.Launcher | None) -> None:
     # A host carrying the upstream patch has vllm_mlx.plugins; simulate it with a namespace overlay.
     code = (
         "import sys, types, importlib.util\n"
@@ -179,19 +195,19 @@ def test_native_hooks_make_the_bridge_step_aside(tmp_path: Path) -> None:
         "import vllm_mlx.cli as cli\n"
         "print(getattr(cli, '_vllm_mlx_plugin_bridge', False))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_program(programs, code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("False")
 
 
-def test_broken_bridge_with_plugins_requested_exits_1_in_one_line() -> None:
+def test_broken_bridge_with_plugins_requested_exits_1_in_one_line(programs: launcher.Launcher | None) -> None:
     code = (
         "import sys; sys.modules['vllm_mlx_mtp_routing.host.bridge'] = None\n"
         "sys.argv = ['vllm-mlx', 'serve', 'some-model']\n"
         "import vllm_mlx.cli as cli; cli.main()\n"
     )
     env = {**os.environ, "VLLM_MLX_PLUGINS": "mtp-routing"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    out = run_program(programs, code, env)
     assert out.returncode == 1
     lines = [line for line in out.stderr.strip().splitlines() if not line.startswith("[transformers]")]
     assert len(lines) == 1 and "plugin bridge cannot be imported" in lines[0] and "ModuleNotFoundError" in lines[0]
@@ -228,7 +244,7 @@ def test_flag_errors_name_the_flag_and_the_rule(tmp_path: Path) -> None:
     assert result.returncode == 2 and "argument --prefill-calibration-file: cannot keep calibrations in" in result.stderr
 
 
-def test_serve_command_given_a_bare_namespace_uses_plugin_defaults() -> None:
+def test_serve_command_given_a_bare_namespace_uses_plugin_defaults(programs: launcher.Launcher | None) -> None:
     # A program that calls serve_command itself (the host's own tests do) with none of the plugin flags.
     code = (
         "import sys, types\n"
@@ -247,5 +263,5 @@ def test_serve_command_given_a_bare_namespace_uses_plugin_defaults() -> None:
         "print(seen.get('mtp_schedule'), seen.get('scheduler_max_queue'), seen.get('mtp_routing_disable'))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_MLX_PLUGINS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = run_program(programs, code, env)
     assert out.stdout.strip().splitlines()[-1] == "adaptive 128 False", out.stdout + out.stderr
