@@ -190,7 +190,7 @@ def serve_forks(socket_path: str, preload: Sequence[str] = ()) -> str | None:
     for name in preload or PRELOAD:
         importlib.import_module(name)
     if not preload:
-        with contextlib.suppress(ImportError):  # an optimization only
+        with contextlib.suppress(Exception):  # an optimization only: a child compiles it again
             _warm_caches()
     envs = (before, dict(os.environ))
     # Out of the collector's reach: a child's full collections (the host's at start and stop, the server's before it
