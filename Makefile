@@ -25,7 +25,7 @@ demo: setup
 # Two workers (pytest-xdist): the suite is mostly server subprocesses and their clients taking turns on the CPU.
 TEST_WORKERS ?= 2
 # Bytecode of the checkout's own modules (an editable install) is written (to its ignored __pycache__ folders) even
-# where the environment turns that off: the suite's ~100 interpreters would otherwise compile them again each time.
+# where the environment turns that off: each fresh interpreter of the suite would otherwise compile them again.
 test: export PYTHONDONTWRITEBYTECODE :=
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)

@@ -40,10 +40,8 @@ def run_cli(*args: str, path: Path | None = None, env: dict[str, str] | None = N
 
 @pytest.fixture(scope="module")
 def programs() -> Iterator[launcher.Launcher | None]:
-    fork_server = launcher.of_own(os.environ, preload=["transformers"])
-    yield fork_server
-    if fork_server is not None:
-        fork_server.close()
+    with launcher.of_own(os.environ, preload=["transformers"]) as fork_server:
+        yield fork_server
 
 
 def run_program(via: launcher.Launcher | None, code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -64,9 +64,8 @@ def test_a_forked_program_sees_what_a_fresh_interpreter_sees(tmp_path: Path) -> 
         "print(sys.argv, sys.path[:3], extra_module.WHERE)",
         "raise ValueError('from the program')",
     ])
-    fork_server = launcher.of_own({**os.environ, "PYTHONPATH": str(base)}, preload=["json"])
-    assert fork_server is not None
-    try:
+    with launcher.of_own({**os.environ, "PYTHONPATH": str(base)}, preload=["json"]) as fork_server:
+        assert fork_server is not None
         for paths, forked_expected in (([base, extra], True), ([base, shadow, extra], False)):
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
             cmd = [sys.executable, "-c", code, "a", "b"]
@@ -78,5 +77,3 @@ def test_a_forked_program_sees_what_a_fresh_interpreter_sees(tmp_path: Path) -> 
             assert forked.returncode == fresh.returncode == 1
             assert _without_import_notices(forked.stderr) == _without_import_notices(fresh.stderr)
             assert fresh.stderr.endswith("ValueError: from the program\n")
-    finally:
-        fork_server.close()

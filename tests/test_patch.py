@@ -2,8 +2,8 @@
 
 Every run works on a fresh copy of the installed ``vllm_mlx`` package, patched in a temp dir and put
 first on ``PYTHONPATH`` of a process of its own (forked from one that imported the patched copy); the installed
-host is never touched. Our bridge is still
-installed there (its ``.pth``), so these tests also show that it steps aside for a native host.
+host is never touched. Our bridge is still installed there (its ``.pth``), so these tests also show that it steps
+aside for a native host.
 """
 
 from __future__ import annotations
@@ -123,10 +123,8 @@ def host_env(*paths: Path) -> dict[str, str]:
 def forks(patched_host: Path) -> Iterator[launcher.Launcher | None]:
     """The patched host's runs fork from a process that imported it once (testing/launcher.py): each run is a child
     that runs CLI as `python -c` would, instead of ~2.5 s of CPU importing the host and its dependencies again."""
-    fork_server = launcher.of_own(host_env(patched_host))
-    yield fork_server
-    if fork_server is not None:
-        fork_server.close()
+    with launcher.of_own(host_env(patched_host)) as fork_server:
+        yield fork_server
 
 
 def run_host(

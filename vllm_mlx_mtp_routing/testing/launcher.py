@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -393,9 +393,16 @@ def enable() -> None:
         _LAUNCHER = Launcher()
 
 
-def of_own(env: Mapping[str, str], preload: Sequence[str] = ()) -> Launcher | None:
-    """Where forking is enabled, a fork server of its own for runs in ``env`` (pass it as ``via``; close it)."""
-    return Launcher(env, preload) if _LAUNCHER is not None else None
+@contextlib.contextmanager
+def of_own(env: Mapping[str, str], preload: Sequence[str] = ()) -> Iterator[Launcher | None]:
+    """Where forking is enabled, a fork server of its own for runs in ``env`` (pass it as ``via``), stopped on exit;
+    elsewhere None (the runs are plain subprocesses)."""
+    fork_server = Launcher(env, preload) if _LAUNCHER is not None else None
+    try:
+        yield fork_server
+    finally:
+        if fork_server is not None:
+            fork_server.close()
 
 
 def disable() -> None:
