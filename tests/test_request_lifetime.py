@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -95,6 +96,7 @@ def test_undecided_stream_is_let_through_after_the_hold_limit(monkeypatch: pytes
     async def app(scope: Any, receive: Any, send: Any, released: list[str]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         await send({"type": "http.response.body", "body": b'data: {"id":"chatcmpl-1"}\n\n', "more_body": True})
+        asgi.current().waiting_since = time.monotonic()  # queued for admission
         await asyncio.sleep(0.1)
         await send({"type": "http.response.body", "body": b": heartbeat\n\n", "more_body": True})
         asgi.current().rejection = RequestRejected(503, "queue timeout")  # too late for a status: a frame instead
@@ -105,6 +107,31 @@ def test_undecided_stream_is_let_through_after_the_hold_limit(monkeypatch: pytes
     assert sent[0]["status"] == 200
     bodies = b"".join(m.get("body", b"") for m in sent[1:])
     assert b"heartbeat" in bodies and bodies.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("limit", ["hold", "undecided"])
+def test_the_hold_limit_counts_from_admission(monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    """Under load the work before admission (rendering, tokenizing 24 prompts on 2 cores) can outlast the
+    hold limit; a queue-full refusal decided after it is still a plain 503. A stream that never reaches
+    admission is let through after the longer limit."""
+    monkeypatch.setattr(asgi, "HOLD_LIMIT_S", 0.05)
+    monkeypatch.setattr(asgi, "UNDECIDED_LIMIT_S", 0.05 if limit == "undecided" else 60.0)
+
+    async def app(scope: Any, receive: Any, send: Any, released: list[str]) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await asyncio.sleep(0.1)  # the host's role chunk, long after the start; admission not reached yet
+        await send({"type": "http.response.body", "body": b'data: {"id":"chatcmpl-1"}\n\n', "more_body": True})
+        asgi.current().waiting_since = time.monotonic()
+        asgi.current().rejection = RequestRejected(503, "queue full", retry_after=3)
+        await send({"type": "http.response.body", "body": b"data: {\"error\": {}}\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    _, sent, _ = _run(app)
+    if limit == "hold":
+        assert sent[0]["status"] == 503 and (b"retry-after", b"3") in sent[0]["headers"]
+        assert len(sent) == 2 and json.loads(sent[1]["body"])["error"]["code"] == 503
+    else:
+        assert sent[0]["status"] == 200 and sent[-1]["body"] == b"data: [DONE]\n\n"
 
 
 def test_refusal_while_held_is_a_plain_status() -> None:

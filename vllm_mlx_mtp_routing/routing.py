@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -240,9 +241,11 @@ class RoutingEngine(EngineDecorator):
         The slot is released when the HTTP request ends, however it ends (``asgi.on_request_end``); a
         request still waiting when its HTTP request ends is withdrawn from the queue.
         """
+        ctx = asgi.current()
+        if ctx is not None:
+            ctx.waiting_since = time.monotonic()
         if self.admission is None:
             return None
-        ctx = asgi.current()
         max_wait = host.request_wait_limit(ctx.body) if ctx is not None else None
         waiting_task = asyncio.current_task()
         waiting = [True]

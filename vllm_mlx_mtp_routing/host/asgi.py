@@ -33,9 +33,13 @@ from ..errors import RequestRejected
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
-# A stream still undecided after this long (queued for admission, or a long prefill) gets its response
-# start and the host's heartbeats, so clients and proxies with idle timeouts keep the connection.
+# A stream still undecided after waiting this long (queued for admission, or a long prefill) gets its response
+# start and the host's heartbeats, so clients and proxies with idle timeouts keep the connection. The wait
+# counts from admission, not from the response start: under load the work before it (rendering, tokenizing)
+# can take longer than this, and a refusal decided then must still be a plain 503.
 HOLD_LIMIT_S = 2.0
+# A stream that never reaches admission (a path the plugin does not admit) is let through after this long.
+UNDECIDED_LIMIT_S = 10.0
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"]{1,128})"')
 
 Scope = dict[str, Any]
@@ -48,6 +52,7 @@ class RequestContext:
     headers: dict[str, str] = field(default_factory=dict)
     body: dict[str, Any] = field(default_factory=dict)  # the JSON body, fields the host's models drop included
     engine_started: bool = False
+    waiting_since: float | None = None  # monotonic time the request went to admission: its own work was done
     rejection: RequestRejected | None = None
     stream_started: bool = False  # the client has the stream's response start: a refusal is a frame now
     refused: bool = False  # refused by a plugin (busy, bad input): the host's error logs for it are noise
@@ -183,9 +188,10 @@ class _HoldingSend:
     """Holds an event stream's start and early chunks until the engine has decided on the request.
 
     A refusal decided while held replaces the stream with its plain HTTP status. A request still
-    undecided after ``HOLD_LIMIT_S`` (queued, or prefilling a long prompt) is let through at the next
-    message the host sends (its heartbeats come every few seconds): the client then has the response
-    start and keep-alive comments, and a later refusal arrives as an error frame and ``[DONE]``.
+    undecided ``HOLD_LIMIT_S`` after it went to admission (queued, or prefilling a long prompt), or
+    ``UNDECIDED_LIMIT_S`` after its response start, is let through at the next message the host sends
+    (its heartbeats come every few seconds): the client then has the response start and keep-alive
+    comments, and a later refusal arrives as an error frame and ``[DONE]``.
     """
 
     def __init__(self, send: Send, ctx: RequestContext) -> None:
@@ -214,7 +220,8 @@ class _HoldingSend:
                 return
             self._note_response_id(message)
             self._held.append(message)
-            waited = time.monotonic() - self._held_since >= HOLD_LIMIT_S
+            now, since = time.monotonic(), self._ctx.waiting_since
+            waited = (since is not None and now - since >= HOLD_LIMIT_S) or now - self._held_since >= UNDECIDED_LIMIT_S
             if not (self._ctx.engine_started or waited or not message.get("more_body", False)):
                 return
             held, self._held = self._held, None
