@@ -123,12 +123,13 @@ def _fresh_interpreter_needed(env: Mapping[str, str], envs: tuple[Mapping[str, s
         return False
     if changed != {"PYTHONPATH"}:
         return True
-    base, paths = _import_paths(envs[0]), iter(_import_paths(env))
-    if not all(entry in paths for entry in base):  # the fork server's own import paths, in their order
+    base, paths = _import_paths(envs[0]), _import_paths(env)
+    remaining = iter(paths)
+    if not all(entry in remaining for entry in base):  # the fork server's own import paths, in their order
         return True
     # Extra import paths (a test plugin's folder) are fine unless they hold a module already imported here.
     imported = {name.partition(".")[0] for name in sys.modules}
-    for entry in set(_import_paths(env)) - set(base):
+    for entry in set(paths) - set(base):
         names = {Path(n).stem if n.endswith(".py") else n for n in os.listdir(entry)} if os.path.isdir(entry) else {"?"}
         if names & imported or "?" in names:
             return True
