@@ -44,8 +44,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 from vllm_mlx_mtp_routing.prefix_cache.boundaries import common_tokens  # noqa: E402
-from vllm_mlx_mtp_routing.testing import server as testing_server  # noqa: E402
+from support import server as testing_server  # noqa: E402
 
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A Qwen3.5-2B-shaped VLM checkpoint with random bf16 weights, drawn on MLX's default device.
 
-The project's builder (`vllm_mlx_mtp_routing.testing.tiny_model.build_tiny_qwen35_vlm`) writes
+The project's builder (`support.tiny_model.build_tiny_qwen35_vlm`) writes
 everything: config, processor configs, chat template, tokenizer (copied from the trained tiny
 model), the tiny vision tower and the MTP head in `mtp/weights.safetensors`, with its key layout.
 Only its random source is swapped: it draws with numpy in float32 on one CPU core, about a minute
@@ -31,6 +31,7 @@ from unittest import mock
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
 
 SHAPE_2B = {
@@ -68,7 +69,7 @@ class DeviceInit:
 
 
 def build(out: Path, shape: dict, seed: int = 0, tokenizer_from: Path = TRAINED) -> dict:
-    from vllm_mlx_mtp_routing.testing import tiny_model
+    from support import tiny_model
 
     # Reaches into the builder's private random source (project-internal, tiny_model as of 0.1.0):
     # build_tiny_qwen35_vlm looks `_Init` up at call time, and every tensor it writes comes from it.

@@ -53,6 +53,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 
 import mlx.core as mx  # noqa: E402
 
@@ -90,7 +91,7 @@ def load_bundle(path: Path | None):
     if path is None and TRAINED.exists():
         path = TRAINED
     if path is None:
-        from vllm_mlx_mtp_routing.testing.tiny_model import tiny_model_dir
+        from support.tiny_model import tiny_model_dir
 
         path = tiny_model_dir(Path(tempfile.mkdtemp()), dtype="float32", placement="subdir")
         source = "random tiny model, FORCED acceptance"

@@ -4,7 +4,7 @@
 Builds a Qwen3.5-shaped text model and one-layer MTP head in memory with random weights in bf16,
 drawn on the default device (nothing is written to disk), and drives the engine's own decode loop
 (``BatchScheduler``, ``MTPDecode``: the head drafts, the backbone verifies, per-row acceptance,
-per-row rollback) with ``testing.forced_acceptance.ForcedAcceptanceDecode``: the verify agrees with
+per-row rollback) with ``support.forced_acceptance.ForcedAcceptanceDecode``: the verify agrees with
 each draft with probability a. (A random model's head drafts nothing the backbone agrees with, and
 an oracle proposing a plain run's continuation stops matching in bf16 on CUDA, where a [B, 2]
 verify and a [B, 1] step round near-tie logits differently; forcing the verify's verdict avoids
@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
@@ -79,7 +80,7 @@ from vllm_mlx_mtp_routing.mlx_lm_internals import (  # noqa: E402
 )
 from vllm_mlx_mtp_routing.mtp import MTPHead  # noqa: E402
 from vllm_mlx_mtp_routing.recurrence import fused_available  # noqa: E402
-from vllm_mlx_mtp_routing.testing.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
+from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     BatchScheduler,
     DecodeBatch,
@@ -564,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "params_backbone": n_backbone,
         "params_mtp_head": n_head,
         "acceptance_source": "FORCED: the verify agrees with each draft with probability a "
-                             "(testing.forced_acceptance); random weights",
+                             "(support.forced_acceptance); random weights",
         "commit": commit(),
         "device": device(),
         "versions": versions(),

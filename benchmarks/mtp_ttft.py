@@ -36,10 +36,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import record  # noqa: E402
-from vllm_mlx_mtp_routing.testing import server as testing_server  # noqa: E402
+from support import server as testing_server  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 BASE = ["--continuous-batching", "--mllm", "--plugins", "mtp-routing"]

@@ -38,8 +38,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 
-from vllm_mlx_mtp_routing.testing.server import serve  # noqa: E402
+from support.server import serve  # noqa: E402
 
 
 def long_prompt(model: Path, tokens: int) -> str:

@@ -24,11 +24,12 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from any directory
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(REPO / "benchmarks"))
 from serve_bench import PROMPTS, messages_for  # noqa: E402
 
-from vllm_mlx_mtp_routing.testing.checkpoint_variants import LAYOUTS, PRECISIONS, variant  # noqa: E402
-from vllm_mlx_mtp_routing.testing.server import serve  # noqa: E402
+from support.checkpoint_variants import LAYOUTS, PRECISIONS, variant  # noqa: E402
+from support.server import serve  # noqa: E402
 
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
 FLAGS = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm")

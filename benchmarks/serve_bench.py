@@ -46,8 +46,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from any directory
-from vllm_mlx_mtp_routing.testing import server as testing_server  # noqa: E402
-from vllm_mlx_mtp_routing.testing.server import Server  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
+from support import server as testing_server  # noqa: E402
+from support.server import Server  # noqa: E402
 
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
 
@@ -450,7 +451,7 @@ def resolve_model(spec: str, tmp: Path) -> Path:
         return TRAINED
     if spec != "tiny":
         return Path(spec)
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from support.tiny_model import build_tiny_qwen35_vlm
 
     out = tmp / "tiny-qwen35"
     # keep_special: False zeroes the special tokens' logits, so a random model never stops early

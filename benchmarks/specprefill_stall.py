@@ -29,16 +29,17 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from prefill_stall import long_prompt, measure  # noqa: E402
 
-from vllm_mlx_mtp_routing.testing.server import serve  # noqa: E402
+from support.server import serve  # noqa: E402
 
 
 def tiny_draft(model: Path, out: Path) -> Path:
     """A 2-layer random draft with the model's tokenizer (scores are then noise; stall and speed are not)."""
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from support.tiny_model import build_tiny_qwen35_vlm
 
     if not (out / "config.json").is_file():
         build_tiny_qwen35_vlm(out, num_layers=2, full_attention_interval=2, hidden_size=128, intermediate_size=256,

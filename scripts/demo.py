@@ -14,14 +14,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 
-from vllm_mlx_mtp_routing.testing.server import png_data_url, serve  # noqa: E402
-from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm  # noqa: E402
+from support.server import png_data_url, serve  # noqa: E402
+from support.tiny_model import build_tiny_qwen35_vlm  # noqa: E402
 
 
 def main() -> int:

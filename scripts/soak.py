@@ -30,8 +30,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 
-from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve  # noqa: E402
+from support.server import Server, png_data_url, serve  # noqa: E402
 
 KINDS = {  # weight of each request kind in the mix
     "stream": 30, "hangup": 15, "plain": 10, "anthropic": 5, "image": 8, "image_hangup": 4,

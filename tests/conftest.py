@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.testing import launcher
-from vllm_mlx_mtp_routing.testing.server import Server, serve
-from vllm_mlx_mtp_routing.testing.tiny_model import tiny_model_dir
+from support import launcher
+from support.server import Server, serve
+from support.tiny_model import tiny_model_dir
 
 # Modules that take the same server from `shared_server` are one work unit, so it starts once.
 SHARED_SERVER_UNITS = {
@@ -79,7 +79,7 @@ def _run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def vllm_mlx_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The suite's `vllm-mlx` servers and CLI runs fork from one process per worker that imported the host once
-    (testing/launcher.py): ~2 s of CPU less per run. VLLM_MLX_TEST_LAUNCHER=0 starts each as a plain subprocess.
+    (support/launcher.py): ~2 s of CPU less per run. VLLM_MLX_TEST_LAUNCHER=0 starts each as a plain subprocess.
     Their prefill calibrations are kept for this run only (set before the fork server copies the environment)."""
     from vllm_mlx_mtp_routing.text_engine.calibration_file import ENV_VAR
 
@@ -185,7 +185,7 @@ def tiny(tiny_vlm_fp32: Path):
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A SpecPrefill draft for the tiny model: 2 layers (one full-attention), its tokenizer, other weights."""
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from support.tiny_model import build_tiny_qwen35_vlm
 
     out = tmp_path_factory.mktemp("draft") / "tiny-draft"
     build_tiny_qwen35_vlm(out, num_layers=2, full_attention_interval=2, mtp_placement="none", tokenizer_from=tiny_vlm_fp32, seed=5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve
+from support.server import Server, png_data_url, serve
 from test_bridge_cli import run_cli
 
 pytestmark = pytest.mark.server

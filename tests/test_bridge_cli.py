@@ -2,7 +2,7 @@
 
 Test plugins are hermetic: each lives in a temp dir with its own ``*.dist-info/entry_points.txt``,
 put on ``PYTHONPATH`` for that process only. Programs that import ``vllm_mlx.cli`` themselves (``python -c``)
-fork from an interpreter that imported transformers and nothing else (testing/launcher.py), which is what that
+fork from an interpreter that imported transformers and nothing else (support/launcher.py), which is what that
 import spends its ~1 s of CPU on: the bridge's import hook, armed at interpreter start, meets the host fresh.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.testing import launcher
-from vllm_mlx_mtp_routing.testing.launcher import VLLM_MLX
+from support import launcher
+from support.launcher import VLLM_MLX
 
 
 def make_plugin(root: Path, name: str, module: str, source: str) -> Path:

@@ -19,8 +19,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from vllm_mlx_mtp_routing.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable, quantize_like, read_drafter_folder
-from vllm_mlx_mtp_routing.mtp import greedy_generate, mtp_greedy_generate
-from vllm_mlx_mtp_routing.testing.checkpoint_variants import PRECISIONS, variant
+from support.reference_decode import greedy_generate, mtp_greedy_generate
+from support.checkpoint_variants import PRECISIONS, variant
 from vllm_mlx_mtp_routing.text_model import build_text_model
 
 HEAD_LAYOUTS = ("subdir", "model-mtp", "mtp-file", "main", "drafter")
@@ -187,7 +187,7 @@ def test_host_mtp_drafter_reads_the_host_engine():
 
 
 def test_checkpoint_variants_cli(variants_root, capsys):
-    from vllm_mlx_mtp_routing.testing import checkpoint_variants
+    from support import checkpoint_variants
 
     root, source = variants_root
     assert checkpoint_variants.main([str(source), str(root), "--layout", "drafter", "--precision", "8bit"]) == 0

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from vllm_mlx_mtp_routing.checkpoint_layouts import NO_MTP_HINT
-from vllm_mlx_mtp_routing.testing.checkpoint_variants import Variant, variant
-from vllm_mlx_mtp_routing.testing.server import Server, serve
+from support.checkpoint_variants import Variant, variant
+from support.server import Server, serve
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

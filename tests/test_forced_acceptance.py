@@ -1,4 +1,4 @@
-"""testing.forced_acceptance: the engine's MTP decoding with acceptance as a controlled input (the
+"""support.forced_acceptance: the engine's MTP decoding with acceptance as a controlled input (the
 realistic-shape GPU benchmark's driver), on the fp32 tiny model through the real scheduler."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scheduling import run_schedule
-from vllm_mlx_mtp_routing.testing.forced_acceptance import ForcedAcceptanceDecode
+from support.forced_acceptance import ForcedAcceptanceDecode
 from vllm_mlx_mtp_routing.text_engine import SamplingOptions
 
 LENGTHS = [5, 17, 9]

@@ -1,4 +1,4 @@
-"""The suite's fork server (testing/launcher.py): a forked ``vllm-mlx`` run is what a fresh process gives.
+"""The suite's fork server (support/launcher.py): a forked ``vllm-mlx`` run is what a fresh process gives.
 
 Its children serve every other server test; here one flag error through the plugin is run both ways and compared
 byte for byte, and a signal reaches a forked server as it reaches a plain subprocess.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.testing import launcher
-from vllm_mlx_mtp_routing.testing.server import serve
+from support import launcher
+from support.server import serve
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.environ.get(launcher.DISABLE_VAR) == "0",
                                 reason="the fork server runs on Linux, unless disabled")

@@ -19,7 +19,7 @@ import pytest
 
 from logits_reference import generated_logprobs, reference_greedy
 from test_mtp_e2e import MTP_ALWAYS  # its server with MTP is this module's too (shared_server)
-from vllm_mlx_mtp_routing.testing.server import Server, serve
+from support.server import Server, serve
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 
 pytestmark = pytest.mark.server

@@ -10,11 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from vllm_mlx_mtp_routing.mtp import (
-    forward_with_hidden,
-    greedy_generate,
-    mtp_greedy_generate,
-)
+from support.reference_decode import greedy_generate, mtp_greedy_generate
+from vllm_mlx_mtp_routing.mtp import forward_with_hidden
 from vllm_mlx_mtp_routing.text_model import build_text_model
 
 PROMPTS = [[11, 200, 37, 4000, 5, 981, 42, 7, 300], [5], list(range(100, 131))]

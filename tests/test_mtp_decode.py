@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from vllm_mlx_mtp_routing.mtp import mtp_greedy_generate
+from support.reference_decode import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
 from vllm_mlx_mtp_routing.backbone import RECURRENCES, gated_delta_layer, use_recurrence

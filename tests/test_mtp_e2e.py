@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import Server, serve
+from support.server import Server, serve
 
 pytestmark = pytest.mark.server
 

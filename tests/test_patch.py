@@ -24,8 +24,8 @@ from types import ModuleType
 import httpx
 import pytest
 
-from vllm_mlx_mtp_routing.testing import launcher
-from vllm_mlx_mtp_routing.testing.server import Server, serve
+from support import launcher
+from support.server import Server, serve
 
 PINNED_VERSION = "0.6.0"
 PATCH = Path(__file__).resolve().parents[1] / "patches" / f"vllm-mlx-{PINNED_VERSION}-plugin-hooks.patch"
@@ -121,7 +121,7 @@ def host_env(*paths: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def forks(patched_host: Path) -> Iterator[launcher.Launcher | None]:
-    """The patched host's runs fork from a process that imported it once (testing/launcher.py): each run is a child
+    """The patched host's runs fork from a process that imported it once (support/launcher.py): each run is a child
     that runs CLI as `python -c` would, instead of ~2.5 s of CPU importing the host and its dependencies again."""
     with launcher.of_own(host_env(patched_host)) as fork_server:
         yield fork_server

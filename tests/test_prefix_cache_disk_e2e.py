@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import serve
+from support.server import serve
 
 BASE = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "2", "--prefill-step-size", "64")
 SYSTEM = "You review pull requests for a storage engine. Be terse; name the file and line of each finding. " * 4

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import serve
+from support.server import serve
 
 BASE = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "64")
 SYSTEM = (

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import serve
+from support.server import serve
 
 from test_bridge_cli import make_plugin, run_cli
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import Server, serve
+from support.server import Server, serve
 
 pytestmark = pytest.mark.server
 

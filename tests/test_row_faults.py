@@ -136,7 +136,7 @@ def test_decorator_writes_are_deliberate() -> None:
 
 def test_undecodable_inline_images_are_400() -> None:
     from vllm_mlx_mtp_routing.request_validation import validate_inline_images
-    from vllm_mlx_mtp_routing.testing.server import png_data_url
+    from support.server import png_data_url
 
     good = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url((1, 2, 3))}}]}
     validate_inline_images([good])

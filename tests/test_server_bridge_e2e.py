@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import Server, png_data_url, serve
+from support.server import Server, png_data_url, serve
 
 pytestmark = pytest.mark.server
 

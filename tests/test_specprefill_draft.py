@@ -28,7 +28,7 @@ def test_draft_shape_trains_assembles_and_scores(tmp_path: Path) -> None:
     from mlx_lm import load
 
     from vllm_mlx_mtp_routing.specprefill import score_tokens
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from support.tiny_model import build_tiny_qwen35_vlm
 
     shape = {**T.DRAFT_SHAPE, "hidden_size": 32, "intermediate_size": 64, "head_dim": 16, "linear_head_dim": 16}
     data = tmp_path / "data"

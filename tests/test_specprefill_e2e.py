@@ -13,8 +13,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from vllm_mlx_mtp_routing.testing import launcher
-from vllm_mlx_mtp_routing.testing.server import VLLM_MLX, serve
+from support import launcher
+from support.server import VLLM_MLX, serve
 
 BASE = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "64")
 LONG = "Summarize the following log. " + " ".join(f"step {i} wrote file_{i % 17}.txt and read cfg_{i % 5}.yaml;" for i in range(40))

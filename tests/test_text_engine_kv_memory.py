@@ -29,7 +29,7 @@ def two_layers(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
     (on MLX's CPU backend it steps token by token: most of this module's time)."""
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from support.tiny_model import build_tiny_qwen35_vlm
     from vllm_mlx_mtp_routing.text_model import build_text_model
 
     path = tmp_path_factory.mktemp("two-layers") / "model"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.testing.server import serve
+from support.server import serve
 from test_bridge_cli import run_cli
 
 pytestmark = pytest.mark.server

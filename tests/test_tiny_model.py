@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jinja2.exceptions import TemplateError
 
-from vllm_mlx_mtp_routing.testing import tiny_model
-from vllm_mlx_mtp_routing.testing.tokenizer_builder import SPECIAL_TOKENS, tokenizer_info
-from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+from support import tiny_model
+from support.tokenizer_builder import SPECIAL_TOKENS, tokenizer_info
+from support.tiny_model import build_tiny_qwen35_vlm
 
 SYSTEM_LATE = [
     {"role": "system", "content": "Be brief."},

@@ -43,6 +43,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test support package: support.*
+
 # Model shape of the committed checkpoint (about 10M parameters, ~20 MB in bf16).
 DEFAULT_SHAPE = {
     "hidden_size": 256,
@@ -118,8 +120,8 @@ def build_skeleton(out: Path, shape: dict, train_files: list[Path], seed: int, t
     """Config, tokenizer, processor configs and random weights in the VLM checkpoint layout, by the
     project's builder. The BPE is trained on the train files only, unless `tokenizer_from` names a
     checkpoint whose tokenizer to reuse (models/tiny-qwen35-trained, to rebuild its corpus ids)."""
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
-    from vllm_mlx_mtp_routing.testing.tokenizer_builder import build_tokenizer
+    from support.tiny_model import build_tiny_qwen35_vlm
+    from support.tokenizer_builder import build_tokenizer
 
     if tokenizer_from is None:
         tokenizer_from = out.parent / "tokenizer"
@@ -446,7 +448,7 @@ def cmd_train(a) -> None:
 def build_checkpoint_skeleton(out: Path, data: Path, dtype: str) -> None:
     """The project's builder writes config, processor configs and the (random) vision tower, with
     the tokenizer the corpus was tokenized with."""
-    from vllm_mlx_mtp_routing.testing.tiny_model import build_tiny_qwen35_vlm
+    from support.tiny_model import build_tiny_qwen35_vlm
 
     build_tiny_qwen35_vlm(out, dtype=dtype, force=True, tokenizer_from=data / "skeleton",
                           **builder_kwargs(data_shape(data)))

@@ -128,7 +128,3 @@ class MTPHead(nn.Module):
             c.trim(k - 1)
         return mx.concatenate(drafts, axis=1)
 
-
-# The single-sequence reference decoders live with the test support code; importable from here for
-# the tests written against this module.
-from .testing.reference_decode import DecodeResult, greedy_generate, mtp_greedy_generate  # noqa: E402,F401

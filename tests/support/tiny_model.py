@@ -487,7 +487,7 @@ def tiny_model_dir(tmp_root: Path, dtype: str = "float32", placement: str = "sub
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m vllm_mlx_mtp_routing.testing.tiny_model",
+        prog="PYTHONPATH=tests python -m support.tiny_model",
         description="Write a tiny random Qwen3.5 VLM checkpoint (offline).",
     )
     ap.add_argument("out", type=Path)

@@ -20,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..mtp import MTPHead
-from ..text_engine.mtp_decode import MTPDecode
-from ..text_engine.sampling import RowSampler
+from vllm_mlx_mtp_routing.mtp import MTPHead
+from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler
 
 FORCE = 1e4  # far above any logit of a model with normalized hidden states, and exact in bf16
 

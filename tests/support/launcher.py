@@ -41,6 +41,10 @@ from pathlib import Path
 from typing import IO, Any
 
 VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
+# The fork server's program. This module is test code, not installed: the folder holding its package goes first on
+# sys.path for its import only, so the children's import path stays what a fresh interpreter's would be.
+_BOOT = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[__name__.count('.')])!r}); "
+         f"import {__name__} as launcher; del sys.path[0]; launcher.main()")
 DISABLE_VAR = "VLLM_MLX_TEST_LAUNCHER"
 # Read at run time only (by the bridge, the child's own stdio set-up; pytest's per-test name by no one), so a
 # run may set them.
@@ -341,7 +345,7 @@ class Launcher:
         if self._proc is None and not self._failed:
             with open(os.path.join(self._dir, "fork-server.log"), "w") as log:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__, self._path, *self._preload], stdin=subprocess.PIPE,
+                    [sys.executable, "-c", _BOOT, self._path, *self._preload], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=log, env=self._env,
                 )
             assert self._proc.stdout is not None
@@ -452,7 +456,8 @@ def run(
         return subprocess.CompletedProcess(list(cmd), proc.returncode, texts[0], texts[1])
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The fork server's process (``_BOOT``): argv is the socket path, then the modules to preload."""
     program = serve_forks(sys.argv[1], sys.argv[2:])
     # Only a forked child gets here: a -c program, run as the interpreter runs it, or the console script's body.
     if program is not None:
@@ -464,7 +469,7 @@ if __name__ == "__main__":
             traceback.print_exception(e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None))
             sys.exit(1)
         sys.exit()
-    from vllm_mlx.cli import main
+    from vllm_mlx.cli import main as cli_main
 
     sys.argv[0] = sys.argv[0].removesuffix(".exe")
-    sys.exit(main())
+    sys.exit(cli_main())

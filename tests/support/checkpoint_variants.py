@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(
-        prog="python -m vllm_mlx_mtp_routing.testing.checkpoint_variants",
+        prog="PYTHONPATH=tests python -m support.checkpoint_variants",
         description="Write a raw-HF export of an MLX Qwen3.5 VLM and its mlx-vlm conversion with the MTP head in one layout.",
     )
     ap.add_argument("source", type=Path, help="an MLX-layout Qwen3.5 VLM with an MTP head (e.g. the tiny builder's output)")
