@@ -246,7 +246,7 @@ def prefill_clock(model_path: Path, ids: list[int], chunk: int, repeats: int = 2
     import mlx.core as mx
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, _ = load(str(model_path))
     model = build_text_model(vlm, model_path, json.loads((model_path / "config.json").read_text())).model

@@ -20,7 +20,7 @@ from pathlib import Path
 import mtp_decode_bench as mb
 from types import SimpleNamespace
 
-from vllm_mlx_mtp_routing import backbone as new
+from vllm_mlx_mtp_routing.model import backbone as new
 
 
 def main() -> None:

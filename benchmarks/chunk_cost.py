@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 
 import kv_layout_ab as ab  # noqa: E402
 import provenance  # noqa: E402
-from vllm_mlx_mtp_routing.mlx_lm_internals import KVCache  # noqa: E402
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import KVCache  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import MIN_CHUNK, calibrate, fastest_seconds  # noqa: E402
 
 

@@ -27,7 +27,7 @@ import mlx.core as mx  # noqa: E402
 import kv_layout_ab as ab  # noqa: E402
 import provenance  # noqa: E402
 from join_step import prefilled  # noqa: E402
-from vllm_mlx_mtp_routing.backbone import backbone_forward  # noqa: E402
+from vllm_mlx_mtp_routing.model.backbone import backbone_forward  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache  # noqa: E402
 
 

@@ -20,8 +20,8 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_mlx_mtp_routing.backbone import FusedGatedDeltaNet, backbone_forward  # noqa: E402
-from vllm_mlx_mtp_routing.mlx_lm_internals import GatedDeltaNet  # noqa: E402
+from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet, backbone_forward  # noqa: E402
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import GatedDeltaNet  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import calibrate, median_seconds  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main() -> int:
     a = ap.parse_args()
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, _ = load(str(a.model))
     model = build_text_model(vlm, a.model, json.loads((a.model / "config.json").read_text()), enable_mtp=False).model

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from vllm_mlx_mtp_routing.recurrence import fused_available, gated_delta_fused
+from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available, gated_delta_fused
 
 SHAPES = {"2b": dict(Hk=16, Hv=16, Dk=128, Dv=128), "9b": dict(Hk=16, Hv=32, Dk=128, Dv=128)}
 

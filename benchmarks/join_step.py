@@ -38,9 +38,9 @@ import mlx.core as mx  # noqa: E402
 
 import kv_layout_ab as ab  # noqa: E402
 import provenance  # noqa: E402
-from vllm_mlx_mtp_routing.backbone import backbone_forward  # noqa: E402
+from vllm_mlx_mtp_routing.model.backbone import backbone_forward  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.grouped_attention import use_grouped_attention  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.grouped_attention import use_grouped_attention  # noqa: E402
 
 
 def prefilled(model, prompt: list[int], chunk: int):

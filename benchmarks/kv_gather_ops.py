@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vllm_mlx_mtp_routing.text_engine.kv_gather import _copy_kernel_fits, gather_rows  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.kv_gather import _copy_kernel_fits, gather_rows  # noqa: E402
 
 
 def timed(fn, n: int = 200) -> float:

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 
 import mtp_decode_bench as mb  # noqa: E402
 import provenance  # noqa: E402
-from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
+from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import batch_cache as pool_mod  # noqa: E402
 
 

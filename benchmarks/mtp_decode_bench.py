@@ -59,7 +59,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_lm.models.base import create_attention_mask  # noqa: E402
 
-from vllm_mlx_mtp_routing.mtp import lm_head  # noqa: E402
+from vllm_mlx_mtp_routing.model.mtp import lm_head  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     DecodeBatch,
     PrefillState,
@@ -70,7 +70,7 @@ from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     TextRequest,
 )
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows  # noqa: E402
+from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
@@ -85,7 +85,7 @@ COUNTERS = ("drafted", "accepted", "steps_with_mtp", "steps_without_mtp")
 def load_bundle(path: Path | None):
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     source = "trained MTP head (real acceptance)"
     if path is None and TRAINED.exists():

@@ -60,8 +60,8 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from provenance import commit, device, versions  # noqa: E402
 from step_costs import COMMON, PRESETS  # noqa: E402
-from vllm_mlx_mtp_routing import backbone  # noqa: E402
-from vllm_mlx_mtp_routing.backbone import (  # noqa: E402
+from vllm_mlx_mtp_routing.model import backbone  # noqa: E402
+from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
     FusedGatedDeltaNet,
     backbone_forward,
     gated_delta_layer,
@@ -69,8 +69,8 @@ from vllm_mlx_mtp_routing.backbone import (  # noqa: E402
     rollback_rows,
     use_fused_recurrence,
 )
-from vllm_mlx_mtp_routing.skinny_matmul import use_skinny_matmul  # noqa: E402
-from vllm_mlx_mtp_routing.mlx_lm_internals import (  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.skinny_matmul import use_skinny_matmul  # noqa: E402
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
     GatedDeltaNet,
     KVCache,
@@ -78,8 +78,8 @@ from vllm_mlx_mtp_routing.mlx_lm_internals import (  # noqa: E402
     TextModelArgs,
     create_attention_mask,
 )
-from vllm_mlx_mtp_routing.mtp import MTPHead  # noqa: E402
-from vllm_mlx_mtp_routing.recurrence import fused_available  # noqa: E402
+from vllm_mlx_mtp_routing.model.mtp import MTPHead  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     BatchScheduler,

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from chunked_gated_delta import patch_mlx_lm_qwen3_5
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, _ = load(str(a.model))
     model = build_text_model(vlm, a.model, json.loads((a.model / "config.json").read_text()), enable_mtp=False).model

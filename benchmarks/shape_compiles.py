@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 import mlx.core as mx  # noqa: E402
 
 import provenance  # noqa: E402
-from vllm_mlx_mtp_routing import causal_conv  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import causal_conv  # noqa: E402
 
 
 def twice(fn) -> list[float]:

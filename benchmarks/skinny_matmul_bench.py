@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The few-row matmul kernel (vllm_mlx_mtp_routing/skinny_matmul.py) against MLX's own, on a GPU.
+"""The few-row matmul kernel (vllm_mlx_mtp_routing/model/kernels/skinny_matmul.py) against MLX's own, on a GPU.
 
 1. exactness: every Qwen3.5-2B linear shape, rows 1..8, bf16: error against an fp32 reference
    (and MLX's own error beside it), and whether each row's result is bitwise the same computed
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from provenance import commit, device, versions  # noqa: E402
 
-from vllm_mlx_mtp_routing import skinny_matmul  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import skinny_matmul  # noqa: E402
 
 # (N, K) of a Qwen3.5-2B layer's linears: GDN in_proj_qkv, z, b/a, out; attention q (with gate), k/v, o; MLP
 SHAPES_2B = [(6144, 2048), (2048, 2048), (16, 2048), (2048, 2048), (4096, 2048), (512, 2048), (2048, 2048),
@@ -110,7 +110,7 @@ def model_steps(shape_name: str, batches: list[int], iters: int) -> list[dict]:
     from mlx_lm.models.cache import KVCache  # noqa: F401  (the model's caches come from make_cache)
 
     import mtp_shapes_bench as msb
-    from vllm_mlx_mtp_routing.backbone import backbone_forward
+    from vllm_mlx_mtp_routing.model.backbone import backbone_forward
 
     tok, size, special = msb.load_tokenizer()
     shape = msb.SHAPES[shape_name]

@@ -65,7 +65,7 @@ def main() -> None:
     from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
     from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
     from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, processor = load(str(args.model))
     bundle = build_text_model(vlm, args.model, json.loads((args.model / "config.json").read_text()))

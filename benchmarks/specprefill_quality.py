@@ -157,7 +157,7 @@ def main() -> None:
     from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill
     from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
     from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     t0 = time.perf_counter()
     vlm, processor = load(str(args.model))

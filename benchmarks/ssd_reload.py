@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     from specprefill_speed import prompt_ids
     from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
     from vllm_mlx_mtp_routing.prefix_cache.disk_tier import DiskTier
-    from vllm_mlx_mtp_routing.weights_fingerprint import fingerprint
+    from vllm_mlx_mtp_routing.model.weights_fingerprint import fingerprint
     from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, processor = load(str(a.model))
     model = build_text_model(vlm, a.model, json.loads((a.model / "config.json").read_text()), enable_mtp=False).model

@@ -174,7 +174,7 @@ def tiny(tiny_vlm_fp32: Path):
 
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, processor = load(str(tiny_vlm_fp32))
     bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))

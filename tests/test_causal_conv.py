@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_mlx_mtp_routing import causal_conv
+from vllm_mlx_mtp_routing.model.kernels import causal_conv
 
 
 def test_only_a_depthwise_conv_in_eval_on_cuda_takes_the_kernel(monkeypatch) -> None:

@@ -18,10 +18,10 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from vllm_mlx_mtp_routing.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable, quantize_like, read_drafter_folder
+from vllm_mlx_mtp_routing.model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable, quantize_like, read_drafter_folder
 from support.reference_decode import greedy_generate, mtp_greedy_generate
 from support.checkpoint_variants import PRECISIONS, variant
-from vllm_mlx_mtp_routing.text_model import build_text_model
+from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
 HEAD_LAYOUTS = ("subdir", "model-mtp", "mtp-file", "main", "drafter")
 PROMPT = [11, 200, 37, 400, 5, 981, 42, 7, 300]
@@ -89,7 +89,7 @@ def test_head_logits_equal_mlx_vlm_drafter_forward(variants_root):
     bundle = build_text_model(vlm, v.model, config, drafter_path=v.drafter)  # read from the folder
     assert not any(a is b for a, b in zip(tree_flatten(bundle.mtp.parameters()), tree_flatten(truth.parameters())))
     tokens = mx.array([PROMPT[1:]])
-    _, hidden = __import__("vllm_mlx_mtp_routing.mtp", fromlist=["forward_with_hidden"]).forward_with_hidden(
+    _, hidden = __import__("vllm_mlx_mtp_routing.model.mtp", fromlist=["forward_with_hidden"]).forward_with_hidden(
         bundle.model, mx.array([PROMPT[:-1]])
     )
     ours = bundle.mtp(hidden, tokens)
@@ -107,7 +107,7 @@ def test_mixed_precision_head_gets_each_module_its_own_bits(variants_root, tmp_p
     from mlx_lm.utils import quantize_model
     from mlx_vlm import load
 
-    from vllm_mlx_mtp_routing.mtp import MTPHead
+    from vllm_mlx_mtp_routing.model.mtp import MTPHead
 
     root, source_model = variants_root
     v = variant(root, source_model, "drafter", "bf16")

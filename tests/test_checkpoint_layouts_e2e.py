@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.checkpoint_layouts import NO_MTP_HINT
+from vllm_mlx_mtp_routing.model.checkpoint_layouts import NO_MTP_HINT
 from support.checkpoint_variants import Variant, variant
 from support.server import Server, serve
 

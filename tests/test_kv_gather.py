@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine import kv_gather
+from vllm_mlx_mtp_routing.model.kernels import kv_gather
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 
 from support.reference_decode import greedy_generate, mtp_greedy_generate
-from vllm_mlx_mtp_routing.mtp import forward_with_hidden
-from vllm_mlx_mtp_routing.text_model import build_text_model
+from vllm_mlx_mtp_routing.model.mtp import forward_with_hidden
+from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
 PROMPTS = [[11, 200, 37, 4000, 5, 981, 42, 7, 300], [5], list(range(100, 131))]
 

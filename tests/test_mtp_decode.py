@@ -19,8 +19,8 @@ from mlx_lm.models.gated_delta import gated_delta_update
 from support.reference_decode import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
-from vllm_mlx_mtp_routing.backbone import RECURRENCES, gated_delta_layer, use_recurrence
-from vllm_mlx_mtp_routing.mlx_lm_internals import ArraysCache
+from vllm_mlx_mtp_routing.model.backbone import RECURRENCES, gated_delta_layer, use_recurrence
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache
 from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts
 from vllm_mlx_mtp_routing.text_engine.draft_policy import DraftPolicy
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row

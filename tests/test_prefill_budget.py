@@ -114,7 +114,7 @@ def test_an_unusable_calibration_file_means_measuring_and_the_file_stays_small(t
 def test_the_attention_probe_reads_a_cache_as_deep_as_asked(tiny_text) -> None:
     import mlx.core as mx
 
-    from vllm_mlx_mtp_routing.mlx_lm_internals import KVCache
+    from vllm_mlx_mtp_routing.model.mlx_lm_internals import KVCache
     from vllm_mlx_mtp_routing.text_engine.prefill_budget import deep_cache
 
     model, _ = tiny_text

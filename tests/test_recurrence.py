@@ -10,9 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from vllm_mlx_mtp_routing.backbone import FusedGatedDeltaNet, gated_delta_layer, use_fused_recurrence
-from vllm_mlx_mtp_routing.mlx_lm_internals import ArraysCache, GatedDeltaNet
-from vllm_mlx_mtp_routing.recurrence import fused_available
+from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet, gated_delta_layer, use_fused_recurrence
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, GatedDeltaNet
+from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available
 
 
 def _linear_layer(bundle):

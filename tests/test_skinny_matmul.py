@@ -10,8 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from vllm_mlx_mtp_routing.skinny_matmul import MAX_FEATURES, SkinnyLinear, supported, use_skinny_matmul
-from vllm_mlx_mtp_routing.recurrence import fused_available
+from vllm_mlx_mtp_routing.model.kernels.skinny_matmul import MAX_FEATURES, SkinnyLinear, supported, use_skinny_matmul
+from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available
 
 
 @pytest.mark.skipif(fused_available(), reason="the CPU fallback; the kernel is checked on the GPU")

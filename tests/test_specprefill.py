@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.backbone import lm_head
-from vllm_mlx_mtp_routing.mlx_lm_internals import KVCache
+from vllm_mlx_mtp_routing.model.backbone import lm_head
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import KVCache
 from vllm_mlx_mtp_routing.specprefill import RequestChoice, SpecPrefill, SpecPrefillSettings, prefill_sparse
 from vllm_mlx_mtp_routing.specprefill.scoring import select_chunks
 from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill, positioned_forward

@@ -30,7 +30,7 @@ def two_layers(tiny_vlm_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
     from mlx_vlm import load
 
     from support.tiny_model import build_tiny_qwen35_vlm
-    from vllm_mlx_mtp_routing.text_model import build_text_model
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     path = tmp_path_factory.mktemp("two-layers") / "model"
     build_tiny_qwen35_vlm(path, num_layers=2, full_attention_interval=2, tokenizer_from=tiny_vlm_fp32)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from vllm_mlx_mtp_routing.text_model import (
+from vllm_mlx_mtp_routing.model.text_model import (
     TextModelUnavailable,
     assert_zero_copy,
     build_text_model,
@@ -102,7 +102,7 @@ def test_one_info_line_and_no_warning(tiny_vlm_factory, caplog):
         bundle = build_text_model(vlm, path, _config(path))
     assert bundle.mtp is not None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    ours = [r.getMessage() for r in caplog.records if r.name == "vllm_mlx_mtp_routing.text_model"]
+    ours = [r.getMessage() for r in caplog.records if r.name == "vllm_mlx_mtp_routing.model.text_model"]
     assert len(ours) == 1
     assert ours[0].startswith(f"TextModel built zero-copy from {path.name}: shared 56 arrays, MTP head +")
 
@@ -137,7 +137,7 @@ def test_unsupported_or_incomplete_models_raise(tiny_vlm_factory):
 
 
 def _zero_centred(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
-    from vllm_mlx_mtp_routing.text_model import _is_norm_key
+    from vllm_mlx_mtp_routing.model.text_model import _is_norm_key
 
     return {k: (v - 1.0 if _is_norm_key(k, v) else v) for k, v in tensors.items()}
 

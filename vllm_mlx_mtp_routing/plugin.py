@@ -23,7 +23,7 @@ from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
 from .host import engine_access, specprefill_flags
 from .routing import RoutingEngine, RoutingSettings
-from .weights_fingerprint import fingerprint
+from .model.weights_fingerprint import fingerprint
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")
 
@@ -213,9 +213,9 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
     router = find_decorator(engine, RoutingEngine)
     if router is None:
         return None
-    from .checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
+    from .model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
     from .text_engine.engine import TextEngine
-    from .text_model import TextModelUnavailable, build_text_model
+    from .model.text_model import TextModelUnavailable, build_text_model
 
     router.tokenizer_for_text = info.tokenizer
     router.tokens_per_media_item = engine_access.tokens_per_media_item(router.wrapped)

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from vllm_mlx_mtp_routing.mtp import MTPHead
+from vllm_mlx_mtp_routing.model.mtp import MTPHead
 from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler
 

@@ -14,8 +14,8 @@ from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 
-from vllm_mlx_mtp_routing.backbone import backbone_forward, rollback_rows
-from vllm_mlx_mtp_routing.mlx_lm_internals import TextModel
+from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import TextModel
 
 
 class Drafter(Protocol):

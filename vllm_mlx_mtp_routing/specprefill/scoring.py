@@ -37,7 +37,7 @@ def prepare_draft(draft: nn.Module) -> nn.Module:
     """Give a Qwen3.5-style draft's gated-delta layers the fused CUDA recurrence (as the target's
     get in text_model.py; nothing changes off CUDA): mlx-lm's per-position loop there would make
     the draft's prefill cost about what the target's does. Same arithmetic to rounding. Idempotent."""
-    from ..backbone import use_fused_recurrence
+    from ..model.backbone import use_fused_recurrence
 
     draft.train(False)  # a module built in code starts in training mode, where no recurrence kernel runs
     use_fused_recurrence(text_model(draft))  # layers without a gated-delta layer are left as they are
@@ -91,7 +91,7 @@ def _lm_head(tm: nn.Module, h: mx.array) -> mx.array:
 
 def _layer_masks(tm: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     """The mask each layer takes for this input (its cache builds it, as the model's forward does)."""
-    from ..mlx_lm_internals import create_attention_mask, create_ssm_mask
+    from ..model.mlx_lm_internals import create_attention_mask, create_ssm_mask
 
     out = []
     for layer, c in zip(tm.model.layers, cache):

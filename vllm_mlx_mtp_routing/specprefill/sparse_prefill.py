@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..mlx_lm_internals import create_attention_mask, create_ssm_mask, scaled_dot_product_attention, ssm_cache_index
+from ..model.mlx_lm_internals import create_attention_mask, create_ssm_mask, scaled_dot_product_attention, ssm_cache_index
 from ..text_engine.rows import PrefillState
 
 

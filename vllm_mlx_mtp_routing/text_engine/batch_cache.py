@@ -20,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from ..backbone import Captured, rollback_rows, zero_state
-from ..mlx_lm_internals import ArraysCache, BaseCache, KVCache
-from .kv_gather import gather_rows
+from ..model.backbone import Captured, rollback_rows, zero_state
+from ..model.mlx_lm_internals import ArraysCache, BaseCache, KVCache
+from ..model.kernels.kv_gather import gather_rows
 from .length_groups import plan_groups
 
 

@@ -134,7 +134,7 @@ def calibrated(
     if path is None or ratio <= 0 or max_chunk <= MIN_CHUNK:  # nothing stored, or nothing to measure
         return calibrate(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
     if weights is None:
-        from ..weights_fingerprint import fingerprint
+        from ..model.weights_fingerprint import fingerprint
 
         weights = fingerprint(model)
     key = calibration_key(weights, max_chunk=max_chunk, ratio=ratio, device=device_identity())

@@ -49,8 +49,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..backbone import _recurrence_with_states, backbone_forward  # noqa: F401 (the capture, re-exported for its test)
-from ..mtp import MTPHead, lm_head
+from ..model.backbone import _recurrence_with_states, backbone_forward  # noqa: F401 (the capture, re-exported for its test)
+from ..model.mtp import MTPHead, lm_head
 from .acceptance import accept_rows, speculative_row  # noqa: F401 (re-exported)
 from .batch_cache import BatchCache, RaggedKVCache
 from .decode import DecodeResult

@@ -44,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..mlx_lm_internals import KVCache
+from ..model.mlx_lm_internals import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from ..mlx_lm_internals import KVCache
+from ..model.mlx_lm_internals import KVCache
 
 from .batch_cache import BatchCache, RaggedKVCache
 from .head_cache import PositionedKVCache

@@ -54,8 +54,8 @@ from .checkpoint_layouts import (
 )
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
-from .skinny_matmul import use_skinny_matmul
-from .text_engine.grouped_attention import use_grouped_attention
+from .kernels.skinny_matmul import use_skinny_matmul
+from .kernels.grouped_attention import use_grouped_attention
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@
 - ``mlx_lm.models.base``: ``create_attention_mask`` / ``create_ssm_mask``, ``scaled_dot_product_attention``;
   ``Qwen3NextAttention``'s projections, norms and ``rope`` (SpecPrefill rotates kept tokens at their
   own positions; the grouped attention runs its ``__call__`` with the attention call split by row
-  length, text_engine/grouped_attention.py).
+  length, kernels/grouped_attention.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlx_lm_internals import Attention
-from .batch_cache import RaggedKVCache
+from ...text_engine.batch_cache import RaggedKVCache
 
 
 class GroupedAttention(Attention):

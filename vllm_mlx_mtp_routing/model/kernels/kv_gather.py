@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..recurrence import fused_available
+from .recurrence import fused_available
 
 _SOURCE = """
     const int H = keys_shape[0];

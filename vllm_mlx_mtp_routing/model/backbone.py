@@ -32,8 +32,8 @@ from .mlx_lm_internals import (
     GatedDeltaNet,
     ssm_cache_index,
 )
-from .causal_conv import conv1d
-from .recurrence import fused_available, gated_delta_fused
+from .kernels.causal_conv import conv1d
+from .kernels.recurrence import fused_available, gated_delta_fused
 
 
 def lm_head(text_model: Any, h: mx.array) -> mx.array:
