@@ -8,7 +8,7 @@ import pytest
 
 from vllm_mlx_mtp_routing.admission import AdmissionController, add_arguments, check_budget_after_load, validate
 from vllm_mlx_mtp_routing.admission.device_memory import GiB, default_headroom_bytes
-from vllm_mlx_mtp_routing.errors import FlagError
+from vllm_mlx_mtp_routing.plugin_api.errors import FlagError
 
 CPU_16G = (16 * GiB, "physical-ram")
 

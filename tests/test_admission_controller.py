@@ -13,7 +13,7 @@ import pytest
 
 from vllm_mlx_mtp_routing.admission import AdmissionController, guard_stream, register_metrics
 from vllm_mlx_mtp_routing.admission.memory_model import Projection
-from vllm_mlx_mtp_routing.errors import RequestRejected
+from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 
 MB = 1 << 20
 

@@ -73,7 +73,7 @@ def plugins_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "checked_plugin_mod",
         """
         import pluggy
-        from vllm_mlx_mtp_routing.errors import FlagError
+        from vllm_mlx_mtp_routing.plugin_api.errors import FlagError
         hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
         def positive(value):
@@ -162,7 +162,7 @@ def test_without_plugins_nothing_of_the_bridge_loads(programs: launcher.Launcher
     code = (
         "import sys; sys.argv = ['vllm-mlx', 'serve', 'm']\n"
         "import vllm_mlx.cli as cli; p = cli.create_parser(); p.parse_args(sys.argv[1:])\n"
-        "heavy = ('pluggy', 'vllm_mlx_mtp_routing.plugin_manager', 'vllm_mlx_mtp_routing.plugin', 'vllm_mlx.server')\n"
+        "heavy = ('pluggy', 'vllm_mlx_mtp_routing.plugin_api.plugin_manager', 'vllm_mlx_mtp_routing.plugin', 'vllm_mlx.server')\n"
         "print(sorted(m for m in sys.modules if m in heavy))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_MLX_PLUGINS"}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_mlx_mtp_routing.errors import RequestRejected
+from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.host import choices, request_body
 from vllm_mlx_mtp_routing.stop_strings import StopCut, cut
 

@@ -43,7 +43,7 @@ cli.main()
 # A second plugin that raises OUR package's exception classes: the patched host must take them by shape.
 REFUSER = """
 import pluggy
-from vllm_mlx_mtp_routing.errors import FlagError, RequestRejected
+from vllm_mlx_mtp_routing.plugin_api.errors import FlagError, RequestRejected
 
 hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
@@ -156,7 +156,7 @@ def _load(path: Path, name: str) -> ModuleType:
 
 
 def test_hookspecs_match_ours(patched_host: Path) -> None:
-    from vllm_mlx_mtp_routing import hookspecs as ours
+    from vllm_mlx_mtp_routing.plugin_api import hookspecs as ours
 
     native = _load(patched_host / "vllm_mlx" / "plugins" / "hookspecs.py", "_patched_vllm_mlx_hookspecs")
     assert (native.PROJECT_NAME, native.ENTRY_POINT_GROUP) == (ours.PROJECT_NAME, ours.ENTRY_POINT_GROUP)

@@ -90,7 +90,7 @@ def test_a_stored_calibration_is_reused_only_for_the_same_weights_device_and_fla
 
 
 def test_an_unusable_calibration_file_means_measuring_and_the_file_stays_small(tiny_text, tmp_path, caplog, monkeypatch) -> None:
-    from vllm_mlx_mtp_routing.errors import FlagError
+    from vllm_mlx_mtp_routing.plugin_api.errors import FlagError
     from vllm_mlx_mtp_routing.text_engine import calibration_file as cf
 
     model, _ = tiny_text

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_mlx_mtp_routing.errors import RequestRejected
+from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.host import asgi
 
 KEEP: list[Any] = []  # generators parked here are never finalized while the test runs

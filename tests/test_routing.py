@@ -76,7 +76,7 @@ def test_template_errors_become_400_on_both_paths() -> None:
 
     import jinja2
 
-    from vllm_mlx_mtp_routing.errors import RequestRejected
+    from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
     from vllm_mlx_mtp_routing.routing import RoutingEngine, RoutingSettings
 
     class HostWithStrictTemplate:

@@ -13,13 +13,13 @@ from typing import Any
 
 from . import __version__, admission, gc_pauses
 from .prefix_cache import settings as prefix_settings
-from .engine_decorator import find_decorator
-from .errors import RequestRejected
+from .plugin_api.engine_decorator import find_decorator
+from .plugin_api.errors import RequestRejected
 from .flag_types import count_or_all, int_at_least, non_negative
 from .text_engine.mtp_decode import DEFAULT_PROMPT_PAIRS
 from .text_engine import calibration_file, warmup
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
-from .hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
+from .plugin_api.hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .request_validation import body_sampling_options, validate_inline_images, validate_logit_bias, validate_parameters
 from .host import engine_access, specprefill_flags
 from .routing import RoutingEngine, RoutingSettings

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import RequestRejected
+from .plugin_api.errors import RequestRejected
 from .text_engine.sampling import MAX_TOP_LOGPROBS
 
 SEED_LIMIT = 2**64

@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from .engine_decorator import EngineDecorator
-from .errors import RequestRejected
+from .plugin_api.engine_decorator import EngineDecorator
+from .plugin_api.errors import RequestRejected
 from . import stop_strings
 from .fallbacks import FallbackReasons
 from .host import asgi

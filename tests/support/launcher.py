@@ -66,7 +66,7 @@ PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.models.qwen3
            "vllm_mlx.mllm_scheduler", "vllm_mlx.constrained", "lmformatenforcer", "mlx_vlm.models.gemma4.language",
            "mlx_vlm.models.glm4v_moe.language", "vllm_mlx_mtp_routing.host.choices",
            "vllm_mlx_mtp_routing.host.server_hooks", "vllm_mlx_mtp_routing.host.request_body",
-           "vllm_mlx_mtp_routing.plugin_manager", "vllm_mlx_mtp_routing.prefix_cache.metrics")
+           "vllm_mlx_mtp_routing.plugin_api.plugin_manager", "vllm_mlx_mtp_routing.prefix_cache.metrics")
 
 
 def _warm_caches() -> None:

@@ -37,7 +37,7 @@ from typing import Any, AsyncIterator, Callable
 
 import mlx.core as mx
 
-from ..errors import RequestRejected
+from ..plugin_api.errors import RequestRejected
 from .memory_model import MemoryModel, Projection
 from .policies import POLICIES, QueuedRequest, sort_key
 from .refusals import BurstLog, DrainRate

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from ..errors import RequestRejected
+from ..plugin_api.errors import RequestRejected
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 

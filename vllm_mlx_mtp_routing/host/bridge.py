@@ -69,7 +69,7 @@ def attach_cli(cli: ModuleType) -> None:
     def serve_command_with_plugins(args: argparse.Namespace) -> Any:
         global STATE
         if STATE is None:
-            from ..plugin_names import parse_names
+            from ..plugin_api.plugin_names import parse_names
 
             names = parse_names(getattr(args, "plugins", None))
             if not names or SERVE_PARSER is None:
@@ -108,7 +108,7 @@ def _extend_parser(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     serve.add_argument("--plugins", default=os.environ.get("VLLM_MLX_PLUGINS"), metavar="NAME[,NAME...]", help=PLUGINS_HELP)
     if "serve" not in argv:
         return
-    from ..plugin_names import requested_names
+    from ..plugin_api.plugin_names import requested_names
 
     if _empty_plugins_flag(argv):
         serve.error("argument --plugins: expected one or more plugin names (comma-separated), got ''")
@@ -130,7 +130,7 @@ def _empty_plugins_flag(argv: list[str]) -> bool:
 
 def load_into_parser(serve: argparse.ArgumentParser, names: list[str]) -> BridgeState:
     """Load the named plugins and let each add its flags; user errors exit like argparse does."""
-    from ..plugin_manager import PluginImportError, UnknownHookError, UnknownPluginError, load_plugins
+    from ..plugin_api.plugin_manager import PluginImportError, UnknownHookError, UnknownPluginError, load_plugins
 
     try:
         pm, loaded = load_plugins(names)
@@ -163,8 +163,8 @@ def with_plugin_defaults(state: BridgeState, args: Any) -> argparse.Namespace:
 
 
 def _prepare_serve(state: BridgeState, args: argparse.Namespace) -> None:
-    from ..errors import FlagError
-    from ..plugin_names import parse_names
+    from ..plugin_api.errors import FlagError
+    from ..plugin_api.plugin_names import parse_names
 
     if not set(parse_names(getattr(args, "plugins", None))) <= set(state.names):
         state.serve_parser.error(

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RequestRejected
+from ..plugin_api.errors import RequestRejected
 from ..text_engine.shared_prefill import SharedPrefill
 
 CHOICE_PATHS = ("/v1/chat/completions", "/v1/completions")

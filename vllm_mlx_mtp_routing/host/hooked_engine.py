@@ -8,9 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from ..engine_decorator import EngineDecorator, innermost
-from ..errors import RequestRejected
-from ..hookspecs import GenerationRequest, ModelInfo
+from ..plugin_api.engine_decorator import EngineDecorator, innermost
+from ..plugin_api.errors import RequestRejected
+from ..plugin_api.hookspecs import GenerationRequest, ModelInfo
 from . import asgi
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from ..errors import RequestRejected
+from ..plugin_api.errors import RequestRejected
 
 MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url")
 TEXT_PARTS = ("text", "input_text", "output_text")

@@ -14,8 +14,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import RequestRejected
-from ..hookspecs import EngineContext
+from ..plugin_api.errors import RequestRejected
+from ..plugin_api.hookspecs import EngineContext
 from . import asgi, responses_input
 from .hooked_engine import HookedEngine
 

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..errors import FlagError
+from ..plugin_api.errors import FlagError
 from ..specprefill.settings import SpecPrefillSettings
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.specprefill")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import FlagError
+from ..plugin_api.errors import FlagError
 
 
 @dataclass

@@ -158,7 +158,7 @@ def calibrated(
 
 def from_flag(value: str | None) -> Path | None:
     """``--prefill-calibration-file``: the file (its folder must be usable), or None for 'none'."""
-    from ..errors import FlagError
+    from ..plugin_api.errors import FlagError
 
     if value is not None and value.strip().lower() == "none":
         return None

@@ -90,7 +90,7 @@ def vllm_mlx_add_cli_args(parser: argparse.ArgumentParser, group: Any) -> None:
 def vllm_mlx_validate_args(args: argparse.Namespace) -> None:
     """Check flag combinations once, before anything loads.
 
-    Raise ``vllm_mlx_mtp_routing.errors.FlagError(flag, message)`` (or ``vllm_mlx.plugins.FlagError``
+    Raise ``vllm_mlx_mtp_routing.plugin_api.errors.FlagError(flag, message)`` (or ``vllm_mlx.plugins.FlagError``
     upstream) for an impossible setting: the CLI prints it and exits 2.
     """
 
@@ -119,7 +119,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> None:
 def vllm_mlx_pre_generate(request: GenerationRequest) -> None:
     """Inspect and amend one request before the engine sees it (messages, prompt, options).
 
-    Raise ``vllm_mlx_mtp_routing.errors.RequestRejected`` to refuse it with an HTTP status; for
+    Raise ``vllm_mlx_mtp_routing.plugin_api.errors.RequestRejected`` to refuse it with an HTTP status; for
     streams the refusal is still a plain HTTP error, not an error frame in a 200 stream.
     """
 
