@@ -15,7 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available, gated_delta_fused
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
+from vllm_mlx_mtp_routing.model.kernels.recurrence import gated_delta_fused
 
 SHAPES = {"2b": dict(Hk=16, Hv=16, Dk=128, Dv=128), "9b": dict(Hk=16, Hv=32, Dk=128, Dv=128)}
 
@@ -110,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if not fused_available():
+    if not on_cuda():
         raise SystemExit("needs MLX's CUDA backend")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()

@@ -39,8 +39,8 @@ import mlx.core as mx  # noqa: E402
 import kv_layout_ab as ab  # noqa: E402
 import provenance  # noqa: E402
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.grouped_attention import use_grouped_attention  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache, default_group_overhead  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.swaps import use_grouped_attention  # noqa: E402
 
 
 def prefilled(model, prompt: list[int], chunk: int):
@@ -68,7 +68,7 @@ def main() -> None:
     dtype = a.dtype or ("float32" if a.shape == "trained" else "bfloat16")
     model, make_prompts, info = ab.load_model(a.shape, dtype)
     use_grouped_attention(model)  # the engine's model has it (text_model.build_text_model); a built shape not yet
-    overhead = RaggedKVCache.group_overhead if a.overhead is None else a.overhead
+    overhead = default_group_overhead() if a.overhead is None else a.overhead
     t0 = time.perf_counter()
     short = [prefilled(model, p, a.prefill_chunk) for p in make_prompts(a.rows, a.short)]
     long_row = prefilled(model, make_prompts(1, a.long)[0], a.prefill_chunk)

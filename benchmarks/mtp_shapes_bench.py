@@ -67,9 +67,8 @@ from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
     gated_delta_layer,
     lm_head,
     rollback_rows,
-    use_fused_recurrence,
 )
-from vllm_mlx_mtp_routing.model.kernels.skinny_matmul import use_skinny_matmul  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.swaps import use_fused_recurrence, use_skinny_matmul  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
     GatedDeltaNet,
@@ -79,7 +78,7 @@ from vllm_mlx_mtp_routing.model.mlx_lm_internals import (  # noqa: E402
     create_attention_mask,
 )
 from vllm_mlx_mtp_routing.model.mtp import MTPHead  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     BatchScheduler,
@@ -113,7 +112,7 @@ def variant(model: TextModel, name: str) -> Iterator[None]:
     before = backbone.use_recurrence(name)
     try:
         for lin in lins:
-            if fused_available() or plain is GatedDeltaNet:
+            if on_cuda() or plain is GatedDeltaNet:
                 lin.__class__ = plain
         yield
     finally:

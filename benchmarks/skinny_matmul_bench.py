@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from provenance import commit, device, versions  # noqa: E402
 
 from vllm_mlx_mtp_routing.model.kernels import skinny_matmul  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda  # noqa: E402
 
 # (N, K) of a Qwen3.5-2B layer's linears: GDN in_proj_qkv, z, b/a, out; attention q (with gate), k/v, o; MLP
 SHAPES_2B = [(6144, 2048), (2048, 2048), (16, 2048), (2048, 2048), (4096, 2048), (512, 2048), (2048, 2048),
@@ -44,7 +45,7 @@ def exactness(shapes: list[tuple[int, int]], rows: list[int]) -> list[dict]:
     rows' results are bitwise the same as computed in the smallest batch (the kernel: MIN_ROWS)."""
     out = []
     lo = skinny_matmul.MIN_ROWS
-    on_gpu = skinny_matmul.fused_available()
+    on_gpu = on_cuda()
     for N, K in shapes:
         w = (mx.random.normal((N, K)) * K**-0.5).astype(mx.bfloat16)
         x = mx.random.normal((max(rows), K)).astype(mx.bfloat16)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(64, 64), (16, 128)] if a.small else SHAPES_2B
     rows = list(range(1, skinny_matmul.MAX_ROWS + 1))
     result = {"benchmark": "skinny_matmul_bench", "commit": commit(), "device": device(), "versions": versions(),
-              "kernel_available": skinny_matmul.fused_available()}
+              "kernel_available": on_cuda()}
     result["exactness"] = exactness(shapes, rows)
     print(json.dumps({"exactness_worst_kernel": max((r.get("kernel_max_err", 0) for r in result["exactness"])),
                       "exactness_worst_mlx": max(r["mlx_max_err"] for r in result["exactness"]),

@@ -106,7 +106,7 @@ def random_model(shape: str, dtype):
     if cfg["model_type"] != "qwen3":
         # As the server's text model gets in text_model.py (and a draft in scoring.prepare_draft): the fused
         # gated-delta recurrence on MLX's CUDA backend; a no-op elsewhere.
-        from vllm_mlx_mtp_routing.model.backbone import use_fused_recurrence
+        from vllm_mlx_mtp_routing.model.kernels.swaps import use_fused_recurrence
 
         use_fused_recurrence(model)
     return model, sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -196,9 +196,9 @@ class Bench:
 def versions() -> dict:
     import mlx.core as mx
 
-    from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available
+    from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
 
-    out = {"fused_gated_delta": fused_available(), "mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
+    out = {"fused_gated_delta": on_cuda(), "mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
            "machine": platform.machine(), "commit": os.environ.get("BENCH_COMMIT", "")}
     for mod in ("mlx_lm", "mlx_vlm", "vllm_mlx"):
         try:

@@ -79,7 +79,7 @@ def load(shape: str, dtype: str | None):
     """(model, MTP head, tokenizer, vocabulary ids to draw prompts from, provenance) as the engine builds them."""
     import mlx.core as mx
 
-    from vllm_mlx_mtp_routing.model.kernels.grouped_attention import use_grouped_attention
+    from vllm_mlx_mtp_routing.model.kernels.swaps import use_grouped_attention
 
     if shape == "trained":
         import mtp_decode_bench as mb

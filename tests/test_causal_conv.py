@@ -17,7 +17,7 @@ def test_only_a_depthwise_conv_in_eval_on_cuda_takes_the_kernel(monkeypatch) -> 
     x = mx.random.normal((2, 9, 16))
     assert not causal_conv.supported(conv, x)  # the CPU: no kernel
     assert mx.array_equal(causal_conv.conv1d(conv, x), conv(x)).item()
-    monkeypatch.setattr(causal_conv, "fused_available", lambda: True)
+    monkeypatch.setattr(causal_conv, "on_cuda", lambda: True)
     assert causal_conv.supported(conv, x)
     assert not causal_conv.supported(conv, x.astype(mx.bfloat16))  # another dtype than the weights
     assert not causal_conv.supported(conv, x[:, :3])  # shorter than the kernel

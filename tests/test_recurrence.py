@@ -10,9 +10,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet, gated_delta_layer, use_fused_recurrence
+from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet, gated_delta_layer
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, GatedDeltaNet
-from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
+from vllm_mlx_mtp_routing.model.kernels.swaps import use_fused_recurrence
 
 
 def _linear_layer(bundle):
@@ -67,7 +68,7 @@ def test_capture_final_state_equals_plain(tiny) -> None:
 
 def test_fused_class_is_transparent_off_cuda(tiny) -> None:
     bundle, _ = tiny
-    assert not fused_available()  # CPU: use_fused_recurrence leaves the model as mlx-lm built it
+    assert not on_cuda()  # CPU: use_fused_recurrence leaves the model as mlx-lm built it
     assert use_fused_recurrence(bundle.model) == 0
     assert all(type(layer.linear_attn) is GatedDeltaNet for layer in bundle.model.model.layers if layer.is_linear)
     lin = _linear_layer(bundle)

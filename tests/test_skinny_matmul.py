@@ -10,11 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from vllm_mlx_mtp_routing.model.kernels.skinny_matmul import MAX_FEATURES, SkinnyLinear, supported, use_skinny_matmul
-from vllm_mlx_mtp_routing.model.kernels.recurrence import fused_available
+from vllm_mlx_mtp_routing.model.kernels.skinny_matmul import MAX_FEATURES, SkinnyLinear, supported
+from vllm_mlx_mtp_routing.model.kernels.swaps import use_skinny_matmul
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
 
 
-@pytest.mark.skipif(fused_available(), reason="the CPU fallback; the kernel is checked on the GPU")
+@pytest.mark.skipif(on_cuda(), reason="the CPU fallback; the kernel is checked on the GPU")
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_is_nn_linear_off_cuda(rows: int, bias: bool) -> None:
@@ -29,7 +30,7 @@ def test_skinny_linear_is_nn_linear_off_cuda(rows: int, bias: bool) -> None:
 
 def test_supported_rules() -> None:
     w = mx.zeros((48, 64), mx.bfloat16)
-    on = fused_available()
+    on = on_cuda()
     assert supported(mx.zeros((2, 64), mx.bfloat16), w) is on
     assert supported(mx.zeros((1, 1, 8, 64), mx.bfloat16), w) is on
     assert not supported(mx.zeros((1, 64), mx.bfloat16), w)  # one row: MLX's GEMV is faster
@@ -43,7 +44,7 @@ def test_text_model_layers_swapped_only_on_cuda(tiny) -> None:
     bundle, _ = tiny
     swapped = [m for _, m in bundle.model.named_modules() if isinstance(m, SkinnyLinear)]
     plain = [m for _, m in bundle.model.model.named_modules() if type(m) is nn.Linear]
-    if fused_available():
+    if on_cuda():
         assert swapped and not plain
     else:
         assert not swapped and plain

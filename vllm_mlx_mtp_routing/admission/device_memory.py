@@ -8,6 +8,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..model.kernels.device import on_gpu
+
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
@@ -48,7 +50,7 @@ def device_memory_bytes() -> tuple[int, str]:
         info = dict(mx.device_info())
     except Exception:  # older mlx or no device: fall through to RAM
         logger.debug("mx.device_info() failed", exc_info=True)
-    if mx.default_device().type == mx.gpu:
+    if on_gpu():
         if info.get("max_recommended_working_set_size"):
             return int(info["max_recommended_working_set_size"]), "metal-recommended"
         if info.get("total_memory"):

@@ -31,6 +31,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..model.kernels.device import on_metal
+
 logger = logging.getLogger(__name__)
 
 # mlx-lm 0.31.3 / mlx-vlm 0.7.10 KVCache.step: buffers grow by whole multiples of this.
@@ -41,10 +43,7 @@ _POOL_SLACK = 8  # the text engine's KV pool grows by at least 1/8 and compacts 
 
 
 def _default_scan_block() -> int:
-    import mlx.core as mx
-
-    on_metal = mx.default_device().type == mx.gpu and mx.metal.is_available()
-    return 0 if on_metal else 64
+    return 0 if on_metal() else 64
 
 
 @dataclass(frozen=True)

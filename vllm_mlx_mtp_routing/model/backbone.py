@@ -33,7 +33,8 @@ from .mlx_lm_internals import (
     ssm_cache_index,
 )
 from .kernels.causal_conv import conv1d
-from .kernels.recurrence import fused_available, gated_delta_fused
+from .kernels.device import on_cuda, on_metal
+from .kernels.recurrence import gated_delta_fused
 
 
 def lm_head(text_model: Any, h: mx.array) -> mx.array:
@@ -64,7 +65,7 @@ def _recurrence_loop(
     S, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
     beta = mx.sigmoid(b)
     g = compute_g(lin.A_log, a, lin.dt_bias)
-    metal = not lin.training and mx.default_device() == mx.gpu and mx.metal.is_available()
+    metal = not lin.training and on_metal()
     if not metal and Hv // Hk > 1:  # the Metal kernel maps key heads to value heads itself
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
     ys, states = [], []
@@ -86,7 +87,7 @@ def _recurrence_fused(
 ) -> tuple[mx.array, list[mx.array]]:
     """CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept;
     elsewhere mlx-lm's loop."""
-    if lin.training or not fused_available():
+    if lin.training or not on_cuda():
         return _recurrence_loop(lin, q, k, v, a, b, state, mask)
     y, states = gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state,
                                   mask=mask, capture=True)
@@ -122,7 +123,7 @@ def _recurrence_compiled(
     lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
     mask: mx.array | None = None,
 ) -> tuple[mx.array, list[mx.array]]:
-    if mask is not None or lin.training or (mx.default_device() == mx.gpu and mx.metal.is_available()):
+    if mask is not None or lin.training or on_metal():
         return _recurrence_loop(lin, q, k, v, a, b, state, mask)  # Metal has mlx-lm's fused kernel
     return _compiled_positions(v.shape[2] // q.shape[2])(q, k, v, a, b, lin.A_log, lin.dt_bias, state)
 
@@ -176,7 +177,7 @@ def _recurrence(
 ) -> tuple[mx.array, mx.array]:
     """The recurrence without capture: the fused kernel on CUDA, mlx-lm's own call elsewhere
     (so CPU and Metal run exactly what mlx-lm's model runs)."""
-    if not lin.training and fused_available():
+    if not lin.training and on_cuda():
         state = zero_state(lin, q.shape[0]) if state is None else state
         g = compute_g(lin.A_log, a, lin.dt_bias)
         return gated_delta_fused(q, k, v, g, mx.sigmoid(b), state, mask=mask)
@@ -254,25 +255,10 @@ def gated_delta_layer(
 
 class FusedGatedDeltaNet(GatedDeltaNet):
     """mlx-lm's gated-delta layer with the fused CUDA recurrence: the class the text model's
-    linear-attention layers take on a CUDA device (text_model.use_fused_recurrence)."""
+    linear-attention layers take on a CUDA device (kernels/swaps.py)."""
 
     def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         return gated_delta_layer(self, inputs, mask, cache)[0]
-
-
-def use_fused_recurrence(model: nn.Module) -> int:
-    """On MLX's CUDA backend, give the model's gated-delta layers the fused recurrence; the
-    arithmetic is mlx-lm's, position by position, so outputs match it to rounding. Returns how
-    many layers changed (0 off CUDA)."""
-    if not fused_available():
-        return 0
-    n = 0
-    for layer in model.model.layers:
-        lin = getattr(layer, "linear_attn", None)
-        if type(lin) is GatedDeltaNet and lin.sharding_group is None:
-            lin.__class__ = FusedGatedDeltaNet
-            n += 1
-    return n
 
 
 @dataclass

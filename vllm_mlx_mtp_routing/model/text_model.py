@@ -43,7 +43,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .backbone import use_fused_recurrence
 from .checkpoint_layouts import (
     DRAFTER_MODEL_TYPE,
     drafter_weights,
@@ -54,8 +53,7 @@ from .checkpoint_layouts import (
 )
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
-from .kernels.skinny_matmul import use_skinny_matmul
-from .kernels.grouped_attention import use_grouped_attention
+from .kernels import swaps
 
 logger = logging.getLogger(__name__)
 
@@ -401,16 +399,15 @@ def build_text_model(
     gc.collect()  # so collectable garbage freed mid-build does not hide in the measured growth
     before = mx.get_active_memory()
     model, shared = _build_backbone(lm, text_config)
-    if fused := use_fused_recurrence(model):
-        logger.info("TextModel: %d gated-delta layers run the fused CUDA recurrence (one launch per call)", fused)
     head, loaded, reason = (None, None, "MTP not enabled")
     if enable_mtp:
         head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
-    use_grouped_attention(model)
-    if head is not None:
-        use_grouped_attention(head)
-    if skinny := use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0):
-        logger.info("TextModel: %d linear layers run the few-row CUDA matmul at 2-8 rows", skinny)
+    swapped = swaps.apply(model, head)
+    if swapped.fused_recurrence:
+        logger.info("TextModel: %d gated-delta layers run the fused CUDA recurrence (one launch per call)",
+                    swapped.fused_recurrence)
+    if swapped.skinny_matmul:
+        logger.info("TextModel: %d linear layers run the few-row CUDA matmul at 2-8 rows", swapped.skinny_matmul)
     extra = mx.get_active_memory() - before
     mtp_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters())) if head else 0
 

@@ -37,7 +37,7 @@ def prepare_draft(draft: nn.Module) -> nn.Module:
     """Give a Qwen3.5-style draft's gated-delta layers the fused CUDA recurrence (as the target's
     get in text_model.py; nothing changes off CUDA): mlx-lm's per-position loop there would make
     the draft's prefill cost about what the target's does. Same arithmetic to rounding. Idempotent."""
-    from ..model.backbone import use_fused_recurrence
+    from ..model.kernels.swaps import use_fused_recurrence
 
     draft.train(False)  # a module built in code starts in training mode, where no recurrence kernel runs
     use_fused_recurrence(text_model(draft))  # layers without a gated-delta layer are left as they are

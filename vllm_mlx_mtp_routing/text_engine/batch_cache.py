@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from ..model.backbone import Captured, rollback_rows, zero_state
 from ..model.mlx_lm_internals import ArraysCache, BaseCache, KVCache
+from ..model.kernels.device import on_cuda, on_gpu
 from ..model.kernels.kv_gather import gather_rows
 from .length_groups import plan_groups
 
@@ -80,7 +81,12 @@ class StepArrays:
 
 def _plans_attention_per_shape() -> bool:
     """MLX's CUDA backend runs multi-token-query attention through cuDNN, planned per shape."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
+
+
+def default_group_overhead() -> int:
+    """``RaggedKVCache.group_overhead`` on MLX's default device: one attention call always on a GPU."""
+    return 0 if on_gpu() else 1024
 
 
 class RaggedKVCache(BaseCache):
@@ -113,8 +119,9 @@ class RaggedKVCache(BaseCache):
     # 0: one call always. On the CPU a 16K row's join step took 0.64x the single call's time. On an
     # H100 at the Qwen3.5-2B shape the single call read four 300-token rows at the 16K row's span
     # for 1.07x their own step, and the split's extra launches cost more (1.13-1.18x the single
-    # call; BENCHMARKS.md section 7, benchmarks/join_step.py): off on GPUs.
-    group_overhead = 0 if mx.default_device() == mx.gpu else 1024
+    # call; BENCHMARKS.md section 7, benchmarks/join_step.py): off on GPUs. None: the device's
+    # (default_group_overhead), read when attention is planned.
+    group_overhead: int | None = None
 
     def __init__(self, whole_buffer: bool | None = None, shared: StepArrays | None = None) -> None:
         self.whole_buffer = _plans_attention_per_shape() if whole_buffer is None else whole_buffer
@@ -359,10 +366,11 @@ class RaggedKVCache(BaseCache):
         the permutation that puts the calls' concatenated outputs back in row order), or None for
         one call over every row (length_groups.plan_groups; the same for every layer of the
         batch, so planned once per step)."""
-        if len(self._lengths) < 2 or not self.group_overhead:
+        overhead = default_group_overhead() if self.group_overhead is None else self.group_overhead
+        if len(self._lengths) < 2 or not overhead:
             return None
         spans = [self._visible(n + S) for n in self._lengths]
-        return self._shared.get(("groups", self.group_overhead, *spans), lambda: _plan(spans, self.group_overhead))
+        return self._shared.get(("groups", overhead, *spans), lambda: _plan(spans, overhead))
 
     def read_rows(self, group: RowGroup) -> tuple[mx.array, mx.array]:
         """The group's keys and values at positions 0..span-1 ([rows, H, span, D])."""

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .recurrence import fused_available
+from .device import on_cuda
 
 _SOURCE = """
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -48,7 +48,7 @@ def supported(conv: nn.Module, x: mx.array) -> bool:
     dilation, ``x`` [B, T, C] in the weights' dtype."""
     w = getattr(conv, "weight", None)
     return (
-        fused_available()
+        on_cuda()
         and isinstance(conv, nn.Conv1d)
         and not conv.training
         and w is not None

@@ -14,13 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..mlx_lm_internals import Attention
 from ...text_engine.batch_cache import RaggedKVCache
 
 
 class GroupedAttention(Attention):
+    """mlx-lm's attention layer with the call split by row length over a ``RaggedKVCache``; the class every
+    attention layer of the text model and its MTP head takes (swaps.py)."""
+
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         plan = cache.groups(x.shape[1]) if isinstance(cache, RaggedKVCache) else None
         if plan is None or isinstance(mask, str):
@@ -44,13 +46,3 @@ class GroupedAttention(Attention):
         output = mx.concatenate(outputs)[inverse]
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output * mx.sigmoid(gate))
-
-
-def use_grouped_attention(model: nn.Module) -> int:
-    """Give every mlx-lm attention layer under ``model`` the grouped call; how many changed."""
-    n = 0
-    for _, module in model.named_modules():
-        if type(module) is Attention:
-            module.__class__ = GroupedAttention
-            n += 1
-    return n

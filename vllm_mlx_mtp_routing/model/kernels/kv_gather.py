@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .recurrence import fused_available
+from .device import on_cuda
 
 _SOURCE = """
     const int H = keys_shape[0];
@@ -50,7 +50,7 @@ def _kernel() -> Any:
 
 def _copy_kernel_fits(keys: mx.array, values: mx.array) -> bool:
     return (
-        fused_available()
+        on_cuda()
         and keys.shape == values.shape
         and keys.dtype == values.dtype
         and keys.itemsize in (2, 4)

@@ -93,11 +93,6 @@ def _kernel(has_mask: bool):
     )
 
 
-def fused_available() -> bool:
-    """True where the fused kernel runs: MLX's GPU is a CUDA device."""
-    return mx.default_device() == mx.gpu and not mx.metal.is_available() and mx.cuda.is_available()
-
-
 def gated_delta_fused(
     q: mx.array,
     k: mx.array,

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .recurrence import fused_available
+from .device import on_cuda
 
 MIN_ROWS, MAX_ROWS = 2, 8  # one row stays MLX's GEMV, which streams faster than this kernel
 MAX_FEATURES = 32768  # a vocabulary-sized output (lm_head) keeps MLX's GEMM, efficient at that width
@@ -90,7 +90,7 @@ def supported(x: mx.array, w: mx.array) -> bool:
     K = w.shape[-1]
     rows = x.size // K if K else 0
     return (
-        fused_available()
+        on_cuda()
         and w.ndim == 2
         and x.shape[-1] == K
         and MIN_ROWS <= rows <= MAX_ROWS
@@ -117,23 +117,11 @@ def skinny_matmul(x: mx.array, w: mx.array) -> mx.array:
 
 
 class SkinnyLinear(nn.Linear):
-    """``nn.Linear`` whose few-row products run ``skinny_matmul`` (more rows: MLX's matmul)."""
+    """``nn.Linear`` whose few-row products run ``skinny_matmul`` (more rows: MLX's matmul); the class plain
+    linear layers take on a CUDA device (swaps.py)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.training and supported(x, self.weight):
             y = skinny_matmul(x, self.weight)
             return y + self.bias if "bias" in self else y
         return super().__call__(x)
-
-
-def use_skinny_matmul(module: nn.Module) -> int:
-    """On MLX's CUDA backend, give every plain ``nn.Linear`` under ``module`` the few-row kernel
-    (quantized layers keep theirs). Returns how many changed (0 off CUDA)."""
-    if not fused_available():
-        return 0
-    n = 0
-    for _, m in module.named_modules():
-        if type(m) is nn.Linear:
-            m.__class__ = SkinnyLinear
-            n += 1
-    return n

@@ -1,0 +1,77 @@
+"""Every in-place class swap on mlx-lm's modules, and when each is made.
+
+The text model keeps the modules mlx-lm and mlx-vlm built (their parameters are the VLM's own arrays); where the
+package runs a kernel of its own, a module's class is swapped for a subclass that calls it, parameters untouched:
+- ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet``: the fused gated-delta recurrence (recurrence.py). CUDA only.
+- ``nn.Linear`` -> ``skinny_matmul.SkinnyLinear``: the few-row matmul. CUDA only; quantized layers keep theirs.
+- ``Attention`` -> ``grouped_attention.GroupedAttention``: a ragged batch's attention split by row length. Every
+  device.
+``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+
+from ..backbone import FusedGatedDeltaNet
+from ..mlx_lm_internals import Attention, GatedDeltaNet
+from .device import on_cuda
+from .grouped_attention import GroupedAttention
+from .skinny_matmul import SkinnyLinear
+
+
+@dataclass(frozen=True)
+class Swapped:
+    """How many modules took each class."""
+
+    fused_recurrence: int
+    grouped_attention: int
+    skinny_matmul: int
+
+
+def use_fused_recurrence(model: nn.Module) -> int:
+    """On MLX's CUDA backend, give the model's gated-delta layers the fused recurrence; the
+    arithmetic is mlx-lm's, position by position, so outputs match it to rounding. Returns how
+    many layers changed (0 off CUDA)."""
+    if not on_cuda():
+        return 0
+    n = 0
+    for layer in model.model.layers:
+        lin = getattr(layer, "linear_attn", None)
+        if type(lin) is GatedDeltaNet and lin.sharding_group is None:
+            lin.__class__ = FusedGatedDeltaNet
+            n += 1
+    return n
+
+
+def use_skinny_matmul(module: nn.Module) -> int:
+    """On MLX's CUDA backend, give every plain ``nn.Linear`` under ``module`` the few-row kernel
+    (quantized layers keep theirs). Returns how many changed (0 off CUDA)."""
+    if not on_cuda():
+        return 0
+    n = 0
+    for _, m in module.named_modules():
+        if type(m) is nn.Linear:
+            m.__class__ = SkinnyLinear
+            n += 1
+    return n
+
+
+def use_grouped_attention(model: nn.Module) -> int:
+    """Give every mlx-lm attention layer under ``model`` the grouped call; how many changed."""
+    n = 0
+    for _, module in model.named_modules():
+        if type(module) is Attention:
+            module.__class__ = GroupedAttention
+            n += 1
+    return n
+
+
+def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
+    """Every swap the text model (an mlx-lm qwen3_5 ``TextModel``) and its MTP head take on this device."""
+    fused = use_fused_recurrence(model)
+    grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
+    skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
+    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny)
