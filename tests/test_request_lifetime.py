@@ -12,6 +12,7 @@ import pytest
 
 from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.host import asgi
+from vllm_mlx_mtp_routing.host.middleware import PluginRequestMiddleware
 
 KEEP: list[Any] = []  # generators parked here are never finalized while the test runs
 
@@ -34,7 +35,7 @@ def _run(app: Any) -> tuple[list[str], list[dict[str, Any]], BaseException | Non
 
     async def main() -> None:
         try:
-            await asgi.PluginRequestMiddleware(lambda s, r, snd: app(s, r, snd, released))(_scope(), _receive, send)
+            await PluginRequestMiddleware(lambda s, r, snd: app(s, r, snd, released))(_scope(), _receive, send)
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
             raised.append(exc)
         snapshot.extend(released)  # before asyncio.run finalizes leftover generators at shutdown

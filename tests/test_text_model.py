@@ -137,9 +137,9 @@ def test_unsupported_or_incomplete_models_raise(tiny_vlm_factory):
 
 
 def _zero_centred(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
-    from vllm_mlx_mtp_routing.model.text_model import _is_norm_key
+    from vllm_mlx_mtp_routing.model.checkpoint_layouts import is_norm_key
 
-    return {k: (v - 1.0 if _is_norm_key(k, v) else v) for k, v in tensors.items()}
+    return {k: (v - 1.0 if is_norm_key(k, v) else v) for k, v in tensors.items()}
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,7 @@
 """Request context for hooks, the request's lifetime, and refusals that stay plain HTTP errors for streams.
 
-A generation request's body is read before the host's handler runs (request_body.py): its JSON is kept on the
-context for the hooks, and a request for n > 1 choices is served as n copies, each with its own context
-(choices.py).
+The middleware that gives every request its context is middleware.py; a copy of an n > 1 request gets its own
+(choices.py, through ``run_app``).
 
 Lifetime. Whatever a request holds (an admission slot, a text-engine row) is released when its
 ASGI call ends, however it ends: the middleware runs the callbacks registered with
@@ -32,7 +31,6 @@ from ..plugin_api.errors import RequestRejected
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 # A stream still undecided after waiting this long (queued for admission, or a long prefill) gets its response
 # start and the host's heartbeats, so clients and proxies with idle timeouts keep the connection. The wait
 # counts from admission, not from the response start: under load the work before it (rendering, tokenizing)
@@ -97,7 +95,8 @@ def cancel_by_response_id(response_id: str) -> bool:
     return bool(ctx is not None and ctx.cancel is not None and ctx.cancel())
 
 
-def _end_request(ctx: RequestContext) -> None:
+def end_request(ctx: RequestContext) -> None:
+    """The request is over: forget its response id, run what it registered (``on_request_end``)."""
     if ctx.response_id is not None:
         LIVE.pop(ctx.response_id, None)
     callbacks, ctx.cleanups = ctx.cleanups, []
@@ -117,54 +116,13 @@ def error_headers(exc: RequestRejected) -> dict[str, str]:
     return {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else {}
 
 
-class PluginRequestMiddleware:
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Any, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        ctx = RequestContext(headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])})
-        token = CURRENT.set(ctx)
-        try:
-            if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
-                await self._generation(scope, receive, send, ctx)
-            else:
-                await self.app(scope, receive, send)
-        finally:
-            _end_request(ctx)
-            CURRENT.reset(token)
-
-    async def _generation(self, scope: Scope, receive: Any, send: Send, ctx: RequestContext) -> None:
-        """The body is read first: its JSON is kept for the hooks, OpenAI aliases the host lacks are
-        filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
-        from . import choices, request_body
-
-        raw = await request_body.read(receive)
-        body = request_body.parse(raw)
-        if body is not None and request_body.fill_aliases(body):
-            raw = json.dumps(body).encode()
-            scope = with_body_length(scope, len(raw))
-        ctx.body = body or {}
-        try:
-            n = choices.requested(scope["path"], ctx.body)
-        except RequestRejected as exc:
-            await send_rejection(send, exc)
-            return
-        if n > 1:
-            await choices.fan_out(self.app, scope, ctx.body, n, ctx, receive, send)
-            return
-        await self.app(scope, request_body.replay(raw, receive), _HoldingSend(send, ctx))
-
-
 async def run_app(app: Any, scope: Scope, receive: Any, send: Send, ctx: RequestContext) -> None:
     """One more request through ``app`` with its own context and lifetime (a copy of an n > 1 request)."""
     token = CURRENT.set(ctx)
     try:
-        await app(scope, receive, _HoldingSend(send, ctx))
+        await app(scope, receive, HoldingSend(send, ctx))
     finally:
-        _end_request(ctx)
+        end_request(ctx)
         CURRENT.reset(token)
 
 
@@ -184,7 +142,7 @@ async def send_rejection(send: Send, exc: RequestRejected) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class _HoldingSend:
+class HoldingSend:
     """Holds an event stream's start and early chunks until the engine has decided on the request.
 
     A refusal decided while held replaces the stream with its plain HTTP status. A request still

@@ -13,9 +13,10 @@ import importlib.util
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from .bridge_state import BridgeState
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
@@ -23,21 +24,6 @@ PLUGINS_HELP = (
     "Comma-separated plugins to load from the 'vllm_mlx.plugins' entry-point group "
     "(also VLLM_MLX_PLUGINS). Only named plugins load."
 )
-
-
-@dataclass
-class BridgeState:
-    """What one ``vllm-mlx serve`` invocation loaded; the server half reads it."""
-
-    names: list[str]
-    pm: Any
-    plugins: list[Any]
-    serve_parser: argparse.ArgumentParser
-    args: argparse.Namespace | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-    # Defaults of the flags the plugins added: a namespace built without them (a program calling
-    # serve_command itself, as the host's own tests do) gets these.
-    plugin_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 STATE: BridgeState | None = None

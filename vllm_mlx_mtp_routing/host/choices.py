@@ -25,6 +25,7 @@ from typing import Any
 
 from ..plugin_api.errors import RequestRejected
 from ..text_engine.shared_prefill import SharedPrefill
+from . import asgi
 
 CHOICE_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_CHOICES = 16
@@ -79,8 +80,6 @@ async def fan_out(
     app: Any, scope: dict[str, Any], body: dict[str, Any], n: int, parent: Any, receive: Any, send: Send
 ) -> None:
     """Serve ``body`` (asking for ``n`` > 1 choices) as n copies through ``app``; one merged response."""
-    from . import asgi
-
     share = SharedPrefill(n)
     events: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
     gone = asyncio.Event()
@@ -276,8 +275,6 @@ class _StreamMerge(_Merge):
         return _event(obj)
 
     def note_response_id(self, response_id: str) -> None:
-        from . import asgi
-
         self.parent.response_id = response_id
         asgi.LIVE[response_id] = self.parent
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..plugin_api.errors import RequestRejected
 from ..plugin_api.hookspecs import EngineContext
 from . import asgi, responses_input
+from .middleware import PluginRequestMiddleware
+from .bridge_state import BridgeState
 from .hooked_engine import HookedEngine
-
-if TYPE_CHECKING:
-    from .bridge import BridgeState
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
@@ -78,13 +77,13 @@ def install(state: BridgeState) -> None:
 
     app = server.app
     try:
-        app.add_middleware(asgi.PluginRequestMiddleware)
+        app.add_middleware(PluginRequestMiddleware)
     except RuntimeError:
         # The app has served already (an in-process client before serve_command, as in the host's own
         # tests): Starlette 1.x refuses add_middleware then, but rebuilds a cleared stack on the next call.
         from starlette.middleware import Middleware
 
-        app.user_middleware.insert(0, Middleware(asgi.PluginRequestMiddleware))
+        app.user_middleware.insert(0, Middleware(PluginRequestMiddleware))
         app.middleware_stack = None
     app.add_exception_handler(RequestRejected, _rejected_handler)
     logging.getLogger("vllm_mlx.server").addFilter(asgi.RefusalLogFilter())

@@ -9,6 +9,8 @@ model-mtp.safetensors, `mtp.*` in the main shards), users have:
   - that drafter already loaded by the host (`Qwen3_5MTPDraftModel`): the text path shares its
     arrays (the same drafter, no second copy).
 A checkpoint with none of these is served without MTP; `NO_MTP_HINT` says how to get one that has it.
+`is_norm_key` picks the head's RMSNorm weights, whose convention (MLX gamma or zero-centred) every reader
+decides.
 """
 
 from __future__ import annotations
@@ -28,8 +30,22 @@ NO_MTP_HINT = (
     "OUT with `--mllm-draft-model OUT-mtp --mllm-draft-kind mtp`; or use a conversion that keeps "
     "mtp/weights.safetensors, model-mtp.safetensors or mtp.* tensors (mlx-lm's convert drops them)"
 )
+# The head's RMSNorm weights (their convention, MLX gamma or zero-centred, is decided per source).
+MTP_NORM_SUFFIXES = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "pre_fc_norm_hidden.weight",
+    "pre_fc_norm_embedding.weight",
+)
 # Quantization modes without biases, told apart by (bits, group size) as mlx's defaults set them.
 _BIASLESS_MODES = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}
+
+
+def is_norm_key(key: str, value: mx.array) -> bool:
+    """Whether a head-relative tensor is one of the head's RMSNorm weights."""
+    return value.ndim == 1 and (key == "norm.weight" or key.endswith(MTP_NORM_SUFFIXES))
 
 
 def read_config(path: Path) -> dict:
@@ -59,13 +75,11 @@ def read_drafter_folder(path: Path) -> tuple[dict[str, mx.array], bool, str]:
     hf = [k for k in raw if k.startswith("mtp.")]
     if not hf:
         return raw, False, "mlx-vlm drafter folder (MLX gamma)"
-    from .text_model import _is_norm_key
-
     out = {}
     for key, value in raw.items():
         shift = key.startswith("mtp.")
         key = key.removeprefix("mtp.")
-        out[key] = value + 1.0 if shift and _is_norm_key(key, value) else value
+        out[key] = value + 1.0 if shift and is_norm_key(key, value) else value
     return out, True, "mlx-vlm drafter folder with HF mtp.* keys"
 
 

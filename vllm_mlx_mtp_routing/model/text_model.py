@@ -47,6 +47,7 @@ from .checkpoint_layouts import (
     DRAFTER_MODEL_TYPE,
     drafter_weights,
     is_drafter_folder,
+    is_norm_key,
     quantize_like,
     read_config,
     read_drafter_folder,
@@ -61,14 +62,6 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5",)  # prefixes: qwen3_5, qwen3_5_text, qwen3_5
 # Files that hold only the head: vllm-mlx's tooling (first two), mlx-lm's proposed --preserve-mtp (last).
 MTP_FILES = ("mtp/weights.safetensors", "model-mtp.safetensors", "mtp.safetensors")
 MTP_KEY_PREFIXES = ("model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
-MTP_NORM_SUFFIXES = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "q_norm.weight",
-    "k_norm.weight",
-    "pre_fc_norm_hidden.weight",
-    "pre_fc_norm_embedding.weight",
-)
 _GAMMA_FORMATS = {"mlx_gamma", "gamma", "mlx"}
 _OFFSET_FORMATS = {"hf_offset", "zero_centered", "zero_centred", "offset", "hf"}
 _NON_MLX_WRITERS = {"pt", "tf", "flax", "np", "numpy", "paddle"}
@@ -189,10 +182,6 @@ def _strip_mtp_prefix(key: str) -> str | None:
     return None
 
 
-def _is_norm_key(key: str, value: mx.array) -> bool:
-    return value.ndim == 1 and (key == "norm.weight" or key.endswith(MTP_NORM_SUFFIXES))
-
-
 def _read_manifest(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -249,7 +238,7 @@ def _decide_norm_shift(
     if writers or hf_naming:
         why = f"format {','.join(sorted(writers))}" if writers else "HF key names"
         return True, f"raw HF checkpoint ({why})"
-    norms = [v for k, v in weights.items() if _is_norm_key(k, v)]
+    norms = [v for k, v in weights.items() if is_norm_key(k, v)]
     if not norms:
         return False, "no RMSNorm weights"
     mean = mx.mean(mx.concatenate([n.astype(mx.float32) for n in norms])).item()
@@ -296,7 +285,7 @@ def load_mtp_weights(model_path: Path) -> MTPWeights | None:
         return None
     shift, rule = _decide_norm_shift(weights, manifest, metadata, hf_naming)
     if shift:
-        weights = {k: (v + 1.0 if _is_norm_key(k, v) else v) for k, v in weights.items()}
+        weights = {k: (v + 1.0 if is_norm_key(k, v) else v) for k, v in weights.items()}
     return MTPWeights(_merge_experts(weights), source, shift, rule)
 
 

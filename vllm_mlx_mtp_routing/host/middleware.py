@@ -1,0 +1,56 @@
+"""The ASGI middleware the bridge adds to the host's app: every HTTP request gets its context (asgi.py).
+
+A generation request's body is read before the host's handler runs (request_body.py): its JSON is kept on the
+context for the hooks, and a request for n > 1 choices is served as n copies, each with its own context
+(choices.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..plugin_api.errors import RequestRejected
+from . import choices, request_body
+from .asgi import CURRENT, HoldingSend, RequestContext, Scope, Send, end_request, send_rejection, with_body_length
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+
+
+class PluginRequestMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ctx = RequestContext(headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])})
+        token = CURRENT.set(ctx)
+        try:
+            if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
+                await self._generation(scope, receive, send, ctx)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            end_request(ctx)
+            CURRENT.reset(token)
+
+    async def _generation(self, scope: Scope, receive: Any, send: Send, ctx: RequestContext) -> None:
+        """The body is read first: its JSON is kept for the hooks, OpenAI aliases the host lacks are
+        filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
+        raw = await request_body.read(receive)
+        body = request_body.parse(raw)
+        if body is not None and request_body.fill_aliases(body):
+            raw = json.dumps(body).encode()
+            scope = with_body_length(scope, len(raw))
+        ctx.body = body or {}
+        try:
+            n = choices.requested(scope["path"], ctx.body)
+        except RequestRejected as exc:
+            await send_rejection(send, exc)
+            return
+        if n > 1:
+            await choices.fan_out(self.app, scope, ctx.body, n, ctx, receive, send)
+            return
+        await self.app(scope, request_body.replay(raw, receive), HoldingSend(send, ctx))
