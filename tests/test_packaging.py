@@ -8,6 +8,7 @@ bootstrap line is active there. Only the wheel's own files can make the plugin w
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "vllm_mlx_mtp_routing"
+SUPPORT = Path(__file__).resolve().parent / "support"  # the test support package (tests/support), never shipped
 BOOTSTRAP = "vllm_mlx_mtp_routing_bootstrap.pth"
 # What the `vllm-mlx` console script runs (pip writes the same two lines).
 RUN_CLI = "import sys; from vllm_mlx.cli import main; sys.argv = ['vllm-mlx', *sys.argv[1:]]; sys.exit(main())"
@@ -42,6 +45,11 @@ def test_wheel_has_bootstrap_at_root_and_entry_point(built: tuple[Path, Path]) -
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[vllm_mlx.plugins]" in text and "mtp-routing = vllm_mlx_mtp_routing.plugin" in text
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "models/"))]
+    # no test support: no folder of that name, no file named as one of its modules
+    support = {p.name for p in SUPPORT.glob("*.py")} - {"__init__.py"}
+    assert support  # the check below means something
+    shipped = [n for n in names if {"testing", "support", "tests"} & set(n.split("/")[:-1]) or n.rsplit("/", 1)[-1] in support]
+    assert not shipped, f"test support in the wheel: {shipped}"
     members = tarfile.open(sdist).getnames()
     assert any(m.endswith("/vllm_mlx_mtp_routing/plugin.py") for m in members)
     assert any(m.endswith("/README.md") for m in members)
@@ -70,3 +78,21 @@ def test_wheel_installed_in_fresh_venv_serves_help(built: tuple[Path, Path], tmp
     assert result.returncode == 0, result.stderr[-2000:]
     for flag in ("--plugins", "plugin mtp-routing", "--scheduler-policy", "--scheduler-headroom-gb", "--mtp-schedule"):
         assert flag in result.stdout
+
+
+def test_package_imports_no_test_support() -> None:
+    """Nothing in the package imports the test support (tests/support, imported as ``support``), deferred or not."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            else:
+                continue
+            for name in names:
+                top = name.lstrip(".").split(".")
+                if top[0] in ("support", "tests") or "testing" in top:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+    assert not found
