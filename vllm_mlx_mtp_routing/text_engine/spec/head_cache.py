@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..mlx_lm_internals import KVCache
+from ...mlx_lm_internals import KVCache
 
 
 class PositionedKVCache(KVCache):
