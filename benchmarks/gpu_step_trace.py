@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mtp_decode_bench as mb  # noqa: E402
 
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
 
 
 class Steps:

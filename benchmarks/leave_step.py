@@ -47,7 +47,9 @@ def main() -> None:
 
     from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
     from vllm_mlx_mtp_routing.prefix_cache import plan as plan_module
-    from vllm_mlx_mtp_routing.text_engine import SamplingOptions, TextEngine, TextRequest
+    from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+    from vllm_mlx_mtp_routing.text_engine.engine import TextEngine
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
     from vllm_mlx_mtp_routing.text_engine.prefill_budget import DEFAULT_RATIO, calibrate
 
     model, _, tok, top_id, info = load(a.shape, "float32" if a.shape == "trained" else None)

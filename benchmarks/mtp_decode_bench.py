@@ -71,7 +71,7 @@ from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
 )
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

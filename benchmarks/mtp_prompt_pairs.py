@@ -29,9 +29,11 @@ import mlx.core as mx  # noqa: E402
 
 from mtp_decode_bench import load_bundle, make_prompts  # noqa: E402
 from provenance import record  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, PrefillState, SamplingOptions, TextRequest  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.state import PrefillState, TextRequest  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
 
 
 def decode(bundle, tok, prompts: list[list[int]], max_tokens: int, strategy, chunk: int) -> list[list[int]]:

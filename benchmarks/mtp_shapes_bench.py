@@ -90,7 +90,7 @@ from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
     TextRequest,
 )
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import calibrate  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
 

@@ -46,9 +46,11 @@ import mlx.core as mx  # noqa: E402
 
 import mtp_decode_bench as mb  # noqa: E402
 import provenance  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
 
 
 class Timed:

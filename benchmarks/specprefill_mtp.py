@@ -62,8 +62,9 @@ def main() -> None:
     from mlx_vlm import load
 
     from vllm_mlx_mtp_routing.specprefill import prefill_sparse
-    from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
-    from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+    from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
+    from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
     from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
     from vllm_mlx_mtp_routing.model.text_model import build_text_model
 

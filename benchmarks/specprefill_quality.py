@@ -155,7 +155,8 @@ def main() -> None:
 
     from vllm_mlx_mtp_routing.specprefill import PrefillState, prefill_sparse
     from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill
-    from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
+    from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
     from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
     from vllm_mlx_mtp_routing.model.text_model import build_text_model
 

@@ -155,7 +155,8 @@ class Bench:
         self.model, self.tokenizer, self.step = model, tokenizer, step
 
     def _first_token(self, prompt: list[int], state=None) -> None:
-        from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
+        from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+        from vllm_mlx_mtp_routing.text_engine.state import TextRequest
         from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
         sched = BatchScheduler(self.model, self.tokenizer, prefill_step_size=self.step)

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
     from vllm_mlx_mtp_routing.prefix_cache.disk_tier import DiskTier
     from vllm_mlx_mtp_routing.model.weights_fingerprint import fingerprint
-    from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+    from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+    from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
     from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
     vlm, processor = load(str(a.model))

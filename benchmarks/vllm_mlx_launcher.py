@@ -23,8 +23,8 @@ import time
 
 
 def trace_mtp_steps(path: str) -> None:
-    from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts
-    from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+    from vllm_mlx_mtp_routing.text_engine.spec.draft_costs import DraftCosts
+    from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 
     out = open(path, "a", buffering=1)
     step, record = MTPDecode.step, DraftCosts.record

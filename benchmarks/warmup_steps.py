@@ -122,7 +122,10 @@ def main() -> None:
     import numpy as np
 
     import provenance
-    from vllm_mlx_mtp_routing.text_engine import MTPDecode, SamplingOptions, TextEngine, TextRequest
+    from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+    from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+    from vllm_mlx_mtp_routing.text_engine.engine import TextEngine
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
     from vllm_mlx_mtp_routing.text_engine import warmup
     from vllm_mlx_mtp_routing.text_engine.prefill_budget import DEFAULT_RATIO, calibrate
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
 def run_schedule(model: Any, tokenizer: Any, jobs: list, *, max_num_seqs: int, prefill_step_size: int, decode: Any = None, prefix_cache: Any = None, chunk_grid: Any = None) -> tuple[dict, BatchScheduler]:

@@ -19,7 +19,10 @@ from vllm_mlx.api.utils import clean_output_text  # what the host does to a non-
 
 from vllm_mlx_mtp_routing.plugin import eos_token_ids
 from support.server import Server, png_data_url, serve
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, MTPDecode, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 pytestmark = pytest.mark.server
 

@@ -8,9 +8,9 @@ import random
 
 import mlx.core as mx
 
-from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts, bucket_of
-from vllm_mlx_mtp_routing.text_engine.draft_policy import DraftPolicy
-from vllm_mlx_mtp_routing.text_engine.mtp_rows import MTPRowState
+from vllm_mlx_mtp_routing.text_engine.spec.draft_costs import DraftCosts, bucket_of
+from vllm_mlx_mtp_routing.text_engine.spec.draft_policy import DraftPolicy
+from vllm_mlx_mtp_routing.text_engine.spec.mtp_rows import MTPRowState
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler, SamplingOptions
 
 

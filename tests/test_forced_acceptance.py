@@ -1,4 +1,4 @@
-"""support.forced_acceptance: the engine's MTP decoding with acceptance as a controlled input (the
+"""testing.forced_acceptance: the engine's MTP decoding with acceptance as a controlled input (the
 realistic-shape GPU benchmark's driver), on the fp32 tiny model through the real scheduler."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 
 from scheduling import run_schedule
 from support.forced_acceptance import ForcedAcceptanceDecode
-from vllm_mlx_mtp_routing.text_engine import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.step_plan import DecodeResult
 
 LENGTHS = [5, 17, 9]
 MAX_TOKENS = 12
@@ -22,14 +23,19 @@ def _run(bundle, tok, decode=None):
 
 
 class Logged(ForcedAcceptanceDecode):
+    """Keeps each verify's per-row tokens, drafted and accepted counts."""
+
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.log = []
+        forced = self.accept
 
-    def step(self, model, cache, inputs, samplers):
-        res = super().step(model, cache, inputs, samplers)
-        self.log.append(res)
-        return res
+        def accept(logits, drafts, qs, drafting, samplers, k):
+            tokens, accepted = forced(logits, drafts, qs, drafting, samplers, k)
+            self.log.append(DecodeResult(tokens, [k if d else 0 for d in drafting], accepted))
+            return tokens, accepted
+
+        self.accept = accept
 
 
 def test_rejecting_every_draft_is_plain_greedy(tiny):

@@ -18,11 +18,11 @@ import pytest
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import Attention
-from vllm_mlx_mtp_routing.text_engine import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache
 from vllm_mlx_mtp_routing.model.kernels.grouped_attention import GroupedAttention
 from vllm_mlx_mtp_routing.text_engine.length_groups import plan_groups
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 
 
 def _cost(spans, groups, overhead):

@@ -16,10 +16,13 @@ from mlx_lm.sample_utils import make_logits_processors
 from vllm_mlx.api.tool_calling import build_json_logits_processor
 
 from logits_reference import direct_logits, generated_logprobs, reference_greedy
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 from vllm_mlx_mtp_routing.text_engine.logits_processing import fork_options
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.testing.draft_hook import hooked_decode
 from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
 
 PREFILL = 16
@@ -177,7 +180,7 @@ def test_mtp_with_processing_equals_plain_alone_and_batched(tiny, k):
     truths = [p + ids for p, (ids, _) in zip(prompts, longer)]
     vocab = bundle.model.args.vocab_size
     for arrivals in ([0, 0, 0, 0], [0, 2, 3, 5]):
-        decode = MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=Oracle(prompts, truths, k, vocab, seed=k))
+        decode = hooked_decode(bundle.mtp, Oracle(prompts, truths, k, vocab, seed=k), k=k, adaptive=False)
         opts = [_options(kd, tok, n, banned) for kd in kinds]
         got = run(bundle, tok, [(a, p, o) for a, p, o in zip(arrivals, prompts, opts)], decode)
         assert [ids for ids, _ in got] == [ids for ids, _ in plain]
@@ -188,7 +191,7 @@ def test_mtp_with_processing_equals_plain_alone_and_batched(tiny, k):
         # the processor saw exactly the contexts plain decoding gives it, never a rolled-back draft
         assert opts[3].logits_processors[0].calls == [ids[:j] for ids in [plain[3][0]] for j in range(len(ids))]
     for i, kd in enumerate(kinds):  # alone
-        decode = MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=Oracle(prompts[i : i + 1], truths[i : i + 1], k, vocab, seed=i))
+        decode = hooked_decode(bundle.mtp, Oracle(prompts[i : i + 1], truths[i : i + 1], k, vocab, seed=i), k=k, adaptive=False)
         assert run(bundle, tok, [(0, prompts[i], _options(kd, tok, n, banned))], decode)[0][0] == plain[i][0]
         assert decode.accepted > 0
 
@@ -204,7 +207,7 @@ def test_sampled_rows_with_a_mask_stay_inside_it_under_mtp(tiny):
     def hook(histories, drafts):
         return [None if d is None else [allowed[len(h) % 3], 7, 8][: len(d)] for h, d in zip(histories, drafts)]
 
-    decode = MTPDecode(bundle.mtp, k=3, adaptive=False, draft_hook=hook)
+    decode = hooked_decode(bundle.mtp, hook, k=3, adaptive=False)
     opts = [SamplingOptions(max_tokens=20, temperature=1.0, seed=s, logits_processors=make_logits_processors(logit_bias=bias))
             for s in range(3)]
     got = run(bundle, tok, [(0, p, o) for p, o in zip(_prompts([4, 9, 14]), opts)], decode)
@@ -281,7 +284,7 @@ def test_sampled_rows_under_mtp_keep_the_processed_distribution(tiny):
     def hook(histories, drafts):
         return [None if d is None else [allowed[0]] * len(d) for d in drafts]
 
-    decode = MTPDecode(bundle.mtp, k=1, adaptive=False, draft_hook=hook)
+    decode = hooked_decode(bundle.mtp, hook, k=1, adaptive=False)
     opts = lambda s: SamplingOptions(max_tokens=2, temperature=1.0, seed=s, repetition_penalty=1.3,  # noqa: E731
                                      logits_processors=make_logits_processors(logit_bias=bias))
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=256, prefill_step_size=PREFILL, decode=decode)

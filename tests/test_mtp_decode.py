@@ -16,14 +16,20 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from support.reference_decode import mtp_greedy_generate
+from vllm_mlx_mtp_routing.model.mtp import mtp_greedy_generate
 from scheduling import run_schedule
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.model.backbone import RECURRENCES, gated_delta_layer, use_recurrence
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache
-from vllm_mlx_mtp_routing.text_engine.draft_costs import DraftCosts
-from vllm_mlx_mtp_routing.text_engine.draft_policy import DraftPolicy
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode, _recurrence_with_states, speculative_row
+from vllm_mlx_mtp_routing.text_engine.spec.draft_costs import DraftCosts
+from vllm_mlx_mtp_routing.text_engine.spec.draft_policy import DraftPolicy
+from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from support.draft_hook import HookedProposer, hooked_decode
+from vllm_mlx_mtp_routing.model.backbone import _recurrence_with_states
+from vllm_mlx_mtp_routing.text_engine.spec.acceptance import speculative_row
 from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
 
 PREFILL = 16
@@ -75,17 +81,22 @@ class Oracle:
 
 
 class Recording(MTPDecode):
-    def __init__(self, *a, oracle=None, **kw):
-        super().__init__(*a, draft_hook=oracle, **kw)
+    """Logs (the oracle's planned acceptance, the step's result) for every decode step."""
+
+    def __init__(self, head, k=1, *, oracle=None, **kw):
+        proposer = {o: kw.pop(o) for o in ("prompt_pairs", "resume_window") if o in kw}
+        super().__init__(head, k, proposer=HookedProposer(head, k, oracle, **proposer), **kw)
         self.oracle = oracle
         self.log = []
 
-    def step(self, model, cache, inputs, samplers):
+    def plan(self, batch):
         if self.oracle is not None:
             self.oracle.planned = []
-        res = super().step(model, cache, inputs, samplers)
-        self.log.append((list(self.oracle.planned) if self.oracle else [], res))
-        return res
+        return super().plan(batch)
+
+    def observe(self, batch, plan, result):
+        super().observe(batch, plan, result)
+        self.log.append((list(self.oracle.planned) if self.oracle else [], result))
 
 
 def _plain(bundle, tok, prompts, max_tokens):
@@ -203,7 +214,7 @@ def test_adaptive_falls_back_when_drafts_are_rejected(tiny):
     assert [finals[i].token_ids for i in range(2)] == ref
     s = decode.stats()
     assert s["steps_without_mtp"] > s["steps_with_mtp"] > 0
-    assert MTPDecode(bundle.mtp, k=1, max_batch_size=1)._plan_k(2) == 0
+    assert MTPDecode(bundle.mtp, k=1, max_batch_size=1).policy.draft_count(2) == 0
 
 
 def test_a_low_acceptance_row_drafts_while_its_batch_does(tiny):
@@ -326,7 +337,7 @@ def test_sampling_with_mtp_matches_the_target_distribution(tiny, k):
         return [None if d is None else (truth[len(h) : len(h) + k] if i % 2 == 0 else d)
                 for i, (h, d) in enumerate(zip(histories, drafts))]
 
-    decode = MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=hook)
+    decode = hooked_decode(bundle.mtp, hook, k=k, adaptive=False)
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=n, prefill_step_size=PREFILL, decode=decode)
     share = SharedPrefill(n)
     for s in range(n):
@@ -392,18 +403,18 @@ class Pattern(MTPDecode):
 
     def __init__(self, *a, plain=11, mtp=3, **kw):
         super().__init__(*a, **kw)
-        self.plan, self.n, self.gaps = (plain, mtp), 0, []
+        self.pattern, self.n, self.gaps = (plain, mtp), 0, []
 
-    def _plan_k(self, B):
+    def plan(self, batch):
         self.n += 1
-        return 0 if (self.n - 1) % sum(self.plan) < self.plan[0] else self.k
+        k = 0 if (self.n - 1) % sum(self.pattern) < self.pattern[0] else self.k
+        return self.policy.plan(k, [r.spec for r in batch.rows], [r.sampler for r in batch.rows])
 
-    def step(self, model, cache, inputs, samplers):
-        res = super().step(model, cache, inputs, samplers)
-        head = self._cache[0]
-        self.gaps.append([n - (int(p) + len(r.pending_t) + r.skipped)
-                          for n, p, r in zip(cache.lengths(), head.offset.tolist(), self._rows)])
-        return res
+    def observe(self, batch, plan, result):
+        super().observe(batch, plan, result)
+        head = batch.head[0]
+        self.gaps.append([n - (int(p) + len(r.spec.pending_t) + r.spec.skipped)
+                          for n, p, r in zip(batch.backbone.lengths(), head.offset.tolist(), batch.rows)])
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -462,13 +473,12 @@ def test_the_head_takes_only_the_prompts_last_pairs_at_their_positions(tiny):
     prompt = _prompts([40], seed=6)[0]
 
     def prefilled(decode):
-        from vllm_mlx_mtp_routing.text_engine import PrefillState
+        from vllm_mlx_mtp_routing.text_engine.state import PrefillState
 
         state = PrefillState(backbone=bundle.model.make_cache(), prefill_to=len(prompt) - 1)
         for s in range(0, len(prompt) - 1, PREFILL):
             chunk = mx.array(prompt[s : min(s + PREFILL, len(prompt) - 1)], dtype=mx.uint32)[None]
-            decode.prefill(bundle.model, chunk, state)
-            state.prefilled += chunk.shape[1]
+            prefill_forward(bundle.model, decode.proposer, chunk, state)
         return state
 
     full = prefilled(MTPDecode(bundle.mtp, k=1, prompt_pairs=None))

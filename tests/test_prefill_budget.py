@@ -8,7 +8,9 @@ import logging
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import MIN_CHUNK, ChunkGrid, PrefillBudget, calibrate
 
 
@@ -214,13 +216,13 @@ def test_a_prefill_resumed_from_a_snapshot_cuts_at_the_grid_ends(tiny_text) -> N
     def prefill(prompt_ids, marks=()):
         sched = BatchScheduler(model, tok, max_num_seqs=1, prefill_step_size=256, prefix_cache=cache)
         sched.chunk_grid = grid
-        cuts, real = [], sched.decode.prefill
+        cuts, real = [], sched.runner.prefill
 
-        def spy(m, chunk, state):
-            cuts.append((state.prefilled, state.prefilled + chunk.shape[1]))
-            return real(m, chunk, state)
+        def spy(work):
+            cuts.extend((w.start, w.end) for w in work)
+            return real(work)
 
-        sched.decode.prefill = spy
+        sched.runner.prefill = spy
         sched.add(TextRequest("r", prompt_ids, SamplingOptions(max_tokens=2), snapshot_at=list(marks)))
         outs = [out for _ in range(400) if sched.has_work() for out in sched.step() if out.finished]
         return outs[0], cuts
@@ -236,7 +238,7 @@ def test_a_prefill_resumed_from_a_snapshot_cuts_at_the_grid_ends(tiny_text) -> N
 
 def test_mtp_decoding_with_chunks_that_shrink_is_the_same_batched_and_alone(tiny) -> None:
     from scheduling import run_schedule
-    from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+    from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 
     bundle, tok = tiny
     grid = ChunkGrid(lambda p: max(1, 24 - p // 8))

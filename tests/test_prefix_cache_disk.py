@@ -16,7 +16,7 @@ from vllm_mlx_mtp_routing.prefix_cache import settings
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.prefix_cache.disk_tier import DiskTier
 from vllm_mlx_mtp_routing.model.weights_fingerprint import fingerprint
-from vllm_mlx_mtp_routing.text_engine import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
 MB = 1 << 20
 

@@ -13,8 +13,9 @@ import numpy as np
 
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
-from vllm_mlx_mtp_routing.text_engine import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.testing.draft_hook import hooked_decode
 
 PREFILL = 16  # prompts span several chunks; snapshot positions fall inside chunks
 MB = 1 << 20
@@ -152,7 +153,7 @@ def test_mtp_continues_right_after_a_hit(tiny):
     truths = [p + t for p, t in zip(prompts, [cold(bundle, tok, p, n + 3) for p in prompts])]
 
     def mtp(oracle):
-        return MTPDecode(bundle.mtp, k=2, adaptive=False, draft_hook=oracle)
+        return hooked_decode(bundle.mtp, oracle, k=2, adaptive=False)
 
     cold_oracle = _Oracle(truths)
     for i, p in enumerate(prompts):  # alone, no cache: the reference drafts
@@ -163,7 +164,7 @@ def test_mtp_continues_right_after_a_hit(tiny):
     cache = _cache(bundle, decode)
     run(bundle, tok, [(0, first, SamplingOptions(max_tokens=4), marks)], cache=cache, decode=decode)
     hot_oracle = _Oracle(truths)
-    decode.draft_hook = hot_oracle
+    decode.proposer.hook = hot_oracle
     jobs = [(i, p, SamplingOptions(max_tokens=n)) for i, p in enumerate(prompts)]
     outs, _ = run(bundle, tok, jobs, cache=cache, decode=decode)
     assert all(o.cached_tokens > 0 for o in outs)
@@ -212,7 +213,8 @@ def test_snapshots_own_their_arrays(tiny):
 def test_abort_mid_prefill_after_a_hit_leaves_the_cache_usable(tiny):
     """A request aborted while prefilling on a restored prefix: nothing pinned, nothing broken; the
     next request hits and matches the cold output."""
-    from vllm_mlx_mtp_routing.text_engine import BatchScheduler, TextRequest
+    from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
     bundle, tok = tiny
     cache = _cache(bundle)

@@ -9,7 +9,9 @@ import pytest
 
 from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
-from vllm_mlx_mtp_routing.text_engine import BatchScheduler, SamplingOptions, TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
 
 

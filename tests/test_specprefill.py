@@ -16,9 +16,11 @@ from vllm_mlx_mtp_routing.model.mlx_lm_internals import KVCache
 from vllm_mlx_mtp_routing.specprefill import RequestChoice, SpecPrefill, SpecPrefillSettings, prefill_sparse
 from vllm_mlx_mtp_routing.specprefill.scoring import select_chunks
 from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill, positioned_forward
-from vllm_mlx_mtp_routing.text_engine.batch import BatchScheduler, TextRequest
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
-from vllm_mlx_mtp_routing.text_engine.rows import PrefillState
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
+from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import PrefillState
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
 OPTS = SamplingOptions(max_tokens=10)
@@ -53,8 +55,7 @@ def _dense_head(bundle, prompt):
     state.backbone = bundle.model.make_cache()
     decode = MTPDecode(bundle.mtp, k=1)
     for start in range(0, len(prompt) - 1, 64):
-        decode.prefill(bundle.model, mx.array(prompt[start : min(start + 64, len(prompt) - 1)])[None], state)
-        state.prefilled = min(start + 64, len(prompt) - 1)
+        prefill_forward(bundle.model, decode.proposer, mx.array(prompt[start : min(start + 64, len(prompt) - 1)])[None], state)
     return state.head
 
 

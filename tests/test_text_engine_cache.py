@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from vllm_mlx_mtp_routing.text_engine import BatchCache, RaggedKVCache
+from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 
 import scheduling
-from vllm_mlx_mtp_routing.text_engine import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
 PREFILL = 16  # small, so prompts span several chunks and chunk boundaries are exercised
 

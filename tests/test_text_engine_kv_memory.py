@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine import (
-    BatchScheduler,
-    MTPDecode,
-    RaggedKVCache,
-    SamplingOptions,
-    TextRequest,
-)
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.batch_cache import RaggedKVCache
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,11 @@ import numpy as np
 import pytest
 
 from scheduling import run_schedule
-from vllm_mlx_mtp_routing.text_engine import (
-    BatchScheduler,
-    MTPDecode,
-    PrefillState,
-    SamplingOptions,
-    SingleTokenDecode,
-    TextRequest,
-)
+from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import PrefillState, TextRequest
 
 PREFILL = 16
 
@@ -33,12 +30,11 @@ def _prompts(lengths, seed=0):
 
 
 def _snapshot(model, decode, prompt, upto: int) -> PrefillState:
-    """What a prefix cache would hold for prompt[:upto], prefilled in the engine's chunks."""
+    """What a prefix cache would hold for prompt[:upto], prefilled in the engine's chunks (``decode``: None, plain)."""
     state = PrefillState(backbone=model.make_cache())
     for start in range(0, upto, PREFILL):
         chunk = mx.array(prompt[start : min(start + PREFILL, upto)], dtype=mx.uint32)[None]
-        decode.prefill(model, chunk, state)
-        state.prefilled += chunk.shape[1]
+        prefill_forward(model, decode.proposer if decode is not None else None, chunk, state)
     return state
 
 
@@ -68,7 +64,7 @@ def test_restored_plain_row_equals_fresh(tiny, upto):
     bundle, tok = tiny
     prompts = _prompts([40, 7, 23], seed=1)
     ref = _plain(bundle, tok, prompts)
-    state = _snapshot(bundle.model, SingleTokenDecode(), prompts[0], upto)
+    state = _snapshot(bundle.model, None, prompts[0], upto)
     out, sched = _drive(bundle.model, tok, None, [(prompts[0], state), (prompts[1], None), (prompts[2], None)])
     assert out == ref
     assert sched.prompt_tokens == sum(len(p) - 1 for p in prompts) - upto  # the snapshot was not redone
@@ -86,12 +82,12 @@ def test_restored_mtp_row_equals_fresh_and_keeps_head_positions(tiny, with_head)
     gaps = []
 
     class Checked(MTPDecode):
-        def step(self, model, cache, inputs, samplers):
+        def plan(self, batch):
             # backbone length = head position + pending pairs + skipped pairs, for every row
-            head = self._cache[0]
-            gaps.append([n - (int(p) + len(r.pending_t) + r.skipped)
-                         for n, p, r in zip(cache.lengths(), head.offset.tolist(), self._rows)])
-            return super().step(model, cache, inputs, samplers)
+            head = batch.head[0]
+            gaps.append([n - (int(p) + len(r.spec.pending_t) + r.spec.skipped)
+                         for n, p, r in zip(batch.backbone.lengths(), head.offset.tolist(), batch.rows)])
+            return super().plan(batch)
 
     decode = Checked(bundle.mtp, k=2, adaptive=False)
     out, _ = _drive(bundle.model, tok, decode, [(prompts[0], state), (prompts[1], None), (prompts[2], None)])
@@ -104,7 +100,7 @@ def test_restored_state_is_checked(tiny):
     bundle, tok = tiny
     prompt = _prompts([20], seed=3)[0]
     sched = BatchScheduler(bundle.model, tok, prefill_step_size=PREFILL)
-    state = _snapshot(bundle.model, SingleTokenDecode(), prompt, 16)
+    state = _snapshot(bundle.model, None, prompt, 16)
     with pytest.raises(ValueError, match="prefilled"):
         sched.add(TextRequest("a", prompt[:16]), restored=copy.copy(state))  # covers the last token too
     with pytest.raises(ValueError, match="hold 16 tokens"):
@@ -119,7 +115,7 @@ def test_sparse_state_joins_at_its_position(tiny):
     (+ what it decodes) and its next token is rotated at position 19."""
     bundle, tok = tiny
     prompt = _prompts([20], seed=5)[0]
-    state = _snapshot(bundle.model, SingleTokenDecode(), prompt[7:19], 12)
+    state = _snapshot(bundle.model, None, prompt[7:19], 12)
     state = PrefillState(backbone=state.backbone, prefilled=19, position=19)
     sched = BatchScheduler(bundle.model, tok, prefill_step_size=PREFILL)
     sched.add(TextRequest("s", prompt, SamplingOptions(max_tokens=4)), restored=state)

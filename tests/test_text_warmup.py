@@ -9,9 +9,12 @@ import pytest
 
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.specprefill import SpecPrefill, SpecPrefillSettings
-from vllm_mlx_mtp_routing.text_engine import MTPDecode, SamplingOptions, TextEngine, TextRequest
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.engine import TextEngine
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine import warmup
-from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode
+from vllm_mlx_mtp_routing.text_engine.runner import ModelRunner
 
 
 class Recording(MTPDecode):
@@ -21,19 +24,9 @@ class Recording(MTPDecode):
         super().__init__(*a, **kw)
         self.log: list[tuple[int, int]] = []
 
-    def step(self, model, cache, inputs, samplers):
-        res = super().step(model, cache, inputs, samplers)
-        self.log.append((len(inputs), max(res.drafted)))
-        return res
-
-
-class RecordingPlain(SingleTokenDecode):
-    def __init__(self):
-        self.log: list[int] = []
-
-    def step(self, model, cache, inputs, samplers):
-        self.log.append(len(inputs))
-        return super().step(model, cache, inputs, samplers)
+    def observe(self, batch, plan, result):
+        super().observe(batch, plan, result)
+        self.log.append((len(plan.rows), max(result.drafted)))
 
 
 def finish(engine: TextEngine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
@@ -85,15 +78,22 @@ def test_each_batch_size_takes_a_plain_step_and_a_verify_and_nothing_counts(tiny
     assert cache.stats() == cache_before and cache_before["lookups"] == 0 and cache_before["entries"] == 0
     assert sparse.metrics.stats() == sparse_before and sparse_before["requests"] == sparse_before["tokens_scored"] == 0
     sched = engine.scheduler
-    assert not sched.has_work() and sched.batch.nbytes == 0 and decode._batch is sched.batch
+    assert not sched.has_work() and sched.batch.nbytes == 0
 
 
 def test_plain_decode_warms_each_size_and_max_batch_caps_it(tiny, monkeypatch) -> None:
     from vllm_mlx_mtp_routing.text_engine.batch_cache import RaggedKVCache
 
     bundle, tok = tiny
-    decode = RecordingPlain()
-    engine = TextEngine(bundle.model, tok, max_num_seqs=4, decode=decode)
+    log: list[int] = []
+    decode_step = ModelRunner.decode
+
+    def recording_decode(self, plan):
+        log.append(len(plan.rows))
+        return decode_step(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "decode", recording_decode)
+    engine = TextEngine(bundle.model, tok, max_num_seqs=4)
     shrunk, compact = [], RaggedKVCache._compact
 
     def recording(self, force=False):
@@ -104,7 +104,7 @@ def test_plain_decode_warms_each_size_and_max_batch_caps_it(tiny, monkeypatch) -
     monkeypatch.setattr(RaggedKVCache, "_compact", recording)
     done = engine.warm_up(max_batch=3)
     assert any(shrunk)  # the long row's leaving compacted the KV pool (its first use is warmed too)
-    assert decode.log[:3] == [1, 2, 3] and decode.log[-2:] == [3, 2] and set(decode.log[3:]) <= {2, 3}
+    assert log[:3] == [1, 2, 3] and log[-2:] == [3, 2] and set(log[3:]) <= {2, 3}
     assert done.batch_sizes == [1, 2, 3] and done.verify_batch_sizes == []
     assert done.draft_tokens == 0 and engine.stats()["steps"] == 0
 

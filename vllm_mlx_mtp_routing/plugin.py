@@ -16,7 +16,7 @@ from .prefix_cache import settings as prefix_settings
 from .plugin_api.engine_decorator import find_decorator
 from .plugin_api.errors import RequestRejected
 from .flag_types import count_or_all, int_at_least, non_negative
-from .text_engine.mtp_decode import DEFAULT_PROMPT_PAIRS
+from .text_engine.spec.proposer import DEFAULT_PROMPT_PAIRS
 from .text_engine import calibration_file, warmup
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
 from .plugin_api.hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
@@ -231,7 +231,7 @@ def vllm_mlx_model_loaded(engine: Any, info: ModelInfo) -> Any:
         router.disable_text_path(str(exc))
         return None
     if bundle.mtp is not None:
-        from .text_engine.mtp_decode import MTPDecode
+        from .text_engine.spec.mtp import MTPDecode
 
         router.mtp_decode = MTPDecode(
             bundle.mtp,

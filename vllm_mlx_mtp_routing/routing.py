@@ -31,7 +31,7 @@ from .prompt_preparation import prepare_chat, prepare_raw
 from .request_validation import fit_to_context
 from .specprefill.pipeline import OUTCOME_REASONS, outcome
 from .specprefill.settings import RequestChoice
-from .text_engine.outputs import TextOutput
+from .text_engine.state import TextOutput
 from .text_engine.row_check import preflight
 from .text_engine.sampling import SamplingOptions
 

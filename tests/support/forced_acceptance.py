@@ -21,39 +21,36 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_mlx_mtp_routing.model.mtp import MTPHead
-from vllm_mlx_mtp_routing.text_engine.mtp_decode import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler
+from vllm_mlx_mtp_routing.text_engine.spec.acceptance import accept_rows
 
 FORCE = 1e4  # far above any logit of a model with normalized hidden states, and exact in bf16
 
 
-class ForcedAcceptanceDecode(MTPDecode):
-    """``MTPDecode`` whose verify agrees with each draft with probability ``acceptance``.
+class ForcedAcceptance:
+    """An acceptance rule (``MTPDecode(acceptance=...)``) whose verify agrees with each draft with probability
+    ``acceptance``, then accepts as ``accept_rows`` does."""
 
-    With k > 1 draft j is decided on its own, so a row accepts j drafts with probability
-    a^j (1 - a) (all k: a^k), as with a drafter of constant per-token acceptance a.
-    """
-
-    def __init__(self, head: MTPHead, acceptance: float, *, seed: int = 0, **options: Any) -> None:
+    def __init__(self, acceptance: float, *, seed: int = 0, per_row: bool = True) -> None:
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
-        super().__init__(head, **options)
         self.acceptance = acceptance
-        self._seed = seed
+        self.seed = seed
+        self.per_row = per_row
         self._rng = random.Random(seed)
 
-    def twin(self, policy: Any) -> ForcedAcceptanceDecode:
-        twin = super().twin(policy)
-        twin._rng = random.Random(self._seed)  # the warm-up's decisions do not use up this one's
-        return twin
+    def fresh(self) -> ForcedAcceptance:
+        """The same rule with its own decisions from the start (the warm-up's do not use up this one's)."""
+        return ForcedAcceptance(self.acceptance, seed=self.seed, per_row=self.per_row)
 
-    def _accept(
+    def __call__(
         self, logits: mx.array, drafts: mx.array | None, qs: dict[int, mx.array], drafting: list[bool],
         samplers: list[RowSampler], k: int,
     ) -> tuple[list[list[int]], list[int]]:
         if drafts is not None and any(drafting):
             logits = self._force(logits, drafts, drafting, k)
-        return super()._accept(logits, drafts, qs, drafting, samplers, k)
+        return accept_rows(logits, drafts, qs, drafting, samplers, k, self.per_row)
 
     def _force(self, logits: mx.array, drafts: mx.array, drafting: list[bool], k: int) -> mx.array:
         a, rng = self.acceptance, self._rng
@@ -64,3 +61,26 @@ class ForcedAcceptanceDecode(MTPDecode):
         hit = mx.arange(V, dtype=mx.uint32)[None, None, :] == drafts[:, :, None]
         forced = logits[:, :k] + hit.astype(logits.dtype) * mx.array(delta, dtype=logits.dtype)[:, :, None]
         return mx.concatenate([forced, logits[:, k:]], axis=1)
+
+
+class ForcedAcceptanceDecode(MTPDecode):
+    """``MTPDecode`` whose verify agrees with each draft with probability ``acceptance``.
+
+    With k > 1 draft j is decided on its own, so a row accepts j drafts with probability
+    a^j (1 - a) (all k: a^k), as with a drafter of constant per-token acceptance a.
+    """
+
+    def __init__(self, head: MTPHead, acceptance: float, *, seed: int = 0, **options: Any) -> None:
+        self.forced = ForcedAcceptance(acceptance, seed=seed, per_row=options.get("per_row_acceptance", True))
+        super().__init__(head, acceptance=self.forced, **options)
+
+    @property
+    def acceptance(self) -> float:
+        return self.forced.acceptance
+
+    def twin(self, policy: Any) -> ForcedAcceptanceDecode:
+        twin = super().twin(policy)
+        assert isinstance(twin, ForcedAcceptanceDecode)
+        twin.forced = self.forced.fresh()
+        twin.accept = twin.forced
+        return twin

@@ -58,7 +58,7 @@ PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.models.qwen3
            "uvicorn.lifespan.on", "uvicorn.loops.asyncio", "anyio._backends._asyncio",
            "mlx_vlm.models.qwen3_5", "transformers.models.qwen3_5.tokenization_qwen3_5",
            "vllm_mlx_mtp_routing.plugin", "vllm_mlx_mtp_routing.model.text_model", "vllm_mlx_mtp_routing.text_engine.engine",
-           "vllm_mlx_mtp_routing.text_engine.mtp_decode", "vllm_mlx_mtp_routing.prefix_cache.cache",
+           "vllm_mlx_mtp_routing.text_engine.spec.mtp", "vllm_mlx_mtp_routing.prefix_cache.cache",
            "vllm_mlx_mtp_routing.prefix_cache.disk_tier", "vllm_mlx_mtp_routing.admission",
            "vllm_mlx_mtp_routing.specprefill", "vllm_mlx_mtp_routing.prompt_preparation",
            # what the host's MLLM scheduler imports at its first start (its batch generator patches the gemma4 and

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.nn as nn
 
@@ -26,8 +26,7 @@ from . import snapshot
 from .disk_tier import DiskTier
 from .tree import PrefixTree
 
-if TYPE_CHECKING:  # the text engine imports this package (plan.py)
-    from ..text_engine.rows import PrefillState
+from ..text_engine.state import PrefillState
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,11 @@ sizes a chunk, ``after_chunk`` after each chunk, ``after_generation`` when the r
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..text_engine.state import PrefillState
+from .cache import PrefixCache
 from .snapshot import from_batch_row
-
-if TYPE_CHECKING:
-    from .cache import PrefixCache
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
 
@@ -77,8 +76,6 @@ class SnapshotPlan:
         tokens = [*seq.req.prompt_ids, *seq.token_ids]
         if held != len(tokens) - 1 or held <= len(seq.req.prompt_ids) - 1:
             return
-        from ..text_engine.rows import PrefillState  # the text engine imports this module
-
         # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
         whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)
         try:

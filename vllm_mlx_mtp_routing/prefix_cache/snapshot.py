@@ -19,13 +19,13 @@ A restore hands the caches new array objects: mlx-lm's ``KVCache`` writes into `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-if TYPE_CHECKING:  # the text engine imports this package; its types are imported where used
-    from ..text_engine.rows import PrefillState
+from ..text_engine.batch_cache import RaggedKVCache
+from ..text_engine.state import PrefillState
 
 
 def _own(x: mx.array) -> mx.array:
@@ -145,8 +145,6 @@ def restore(chain: list[Snapshot], fresh: list[Any], with_head: bool) -> Prefill
     """A ``PrefillState`` (the text engine's insert API) from a snapshot chain (base first), its
     backbone in ``fresh`` (``model.make_cache()``). Without the head's state (a snapshot taken
     without MTP, or ``with_head`` False) the head skips those positions."""
-    from ..text_engine.rows import PrefillState
-
     last = chain[-1]
     for i, c in enumerate(fresh):
         if isinstance(c, KVCache):
@@ -165,8 +163,6 @@ def restore(chain: list[Snapshot], fresh: list[Any], with_head: bool) -> Prefill
 
 def from_batch_row(layers: list[Any], i: int) -> list[Any]:
     """Row i of a decode batch's caches (``BatchCache.layers``) as single-sequence caches (copies)."""
-    from ..text_engine.batch_cache import RaggedKVCache
-
     out: list[Any] = []
     for c in layers:
         if isinstance(c, RaggedKVCache):

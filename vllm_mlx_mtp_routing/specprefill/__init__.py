@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..text_engine.rows import PrefillState
+from ..text_engine.state import PrefillState
 from .pipeline import SparseJob, SpecPrefill
 from .scoring import score_tokens
 from .settings import RequestChoice, SpecPrefillSettings

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..prefix_cache.plan import SnapshotPlan
-from ..text_engine.rows import PrefillState
+from ..text_engine.state import PrefillState
 from .metrics import SpecPrefillMetrics
 from .scoring import ScoringJob
 from .settings import RequestChoice, SpecPrefillSettings, decide
@@ -134,7 +134,7 @@ class SparseJob:
         if seq.prefill is None:
             seq.prefill = PrefillState()
         state = seq.prefill
-        decode = sched.decode
+        decode = sched.spec
         self.prefill = SparsePrefill(
             sched.model, seq.req.prompt_ids, scoring.kept, state, chunk_tokens=sched.prefill_chunk,
             head=getattr(decode, "head", None) if getattr(decode, "head_layers", 0) else None,

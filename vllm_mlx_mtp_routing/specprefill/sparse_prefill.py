@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..model.mlx_lm_internals import create_attention_mask, create_ssm_mask, scaled_dot_product_attention, ssm_cache_index
-from ..text_engine.rows import PrefillState
+from ..text_engine.state import PrefillState
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:

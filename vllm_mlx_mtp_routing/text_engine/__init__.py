@@ -1,28 +1,7 @@
-"""Continuous-batching text engine for mlx-lm hybrid (gated-delta + attention) models, exact under batching."""
+"""The text engine: continuous batching of text requests, exact under batching, with MTP speculative decoding.
 
-from .batch import BatchScheduler
-from .batch_cache import BatchCache, RaggedKVCache
-from .decode import DecodeResult, DecodeStrategy, SingleTokenDecode
-from .engine import TextEngine, TextEngineError
-from .mtp_decode import MTPDecode
-from .outputs import TextOutput
-from .rows import DecodeBatch, PrefillState, Row, TextRequest
-from .sampling import SamplingOptions
-
-__all__ = [
-    "BatchCache",
-    "BatchScheduler",
-    "DecodeBatch",
-    "DecodeResult",
-    "DecodeStrategy",
-    "MTPDecode",
-    "PrefillState",
-    "RaggedKVCache",
-    "Row",
-    "SamplingOptions",
-    "SingleTokenDecode",
-    "TextEngine",
-    "TextEngineError",
-    "TextOutput",
-    "TextRequest",
-]
+``engine`` (the asyncio face, the step loop), ``scheduler`` (plans each step), ``runner`` (executes it on the
+model), ``step_plan`` (the typed work between them), ``state`` / ``row`` / ``decode_batch`` (requests and rows),
+``spec/`` (MTP: proposer, verify and rollback, acceptance, draft policy). Import the submodules: this package
+imports nothing, so the prefix cache and SpecPrefill can import ``state`` without importing the engine.
+"""

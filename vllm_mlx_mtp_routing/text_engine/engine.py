@@ -19,9 +19,12 @@ import mlx.nn as nn
 
 from ..admission.memory_model import MemoryModel
 from . import warmup
-from .batch import BatchScheduler, TextRequest
-from .decode import DecodeStrategy
-from .outputs import TextOutput
+from ..prefix_cache.cache import PrefixCache
+from ..specprefill.pipeline import SpecPrefill
+from ..specprefill.settings import RequestChoice
+from .scheduler import BatchScheduler
+from .spec.mtp import MTPDecode
+from .state import TextOutput, TextRequest
 from .sampling import SamplingOptions
 from .shared_prefill import SharedPrefill
 
@@ -47,9 +50,9 @@ class TextEngine:
         max_num_seqs: int = 16,
         prefill_step_size: int = 2048,
         eos_token_ids: list[int] | None = None,
-        decode: DecodeStrategy | None = None,
-        prefix_cache: Any = None,
-        specprefill: Any = None,
+        decode: MTPDecode | None = None,
+        prefix_cache: PrefixCache | None = None,
+        specprefill: SpecPrefill | None = None,
     ) -> None:
         self.scheduler = BatchScheduler(
             model,
@@ -100,7 +103,7 @@ class TextEngine:
         *,
         on_joined: Callable[[], None] | None = None,
         share: SharedPrefill | None = None,
-        specprefill: Any = None,
+        specprefill: RequestChoice | None = None,
     ) -> str:
         """Queue a request. ``snapshot_at``: prompt positions worth a prefix-cache snapshot
         (``TextRequest``); ``on_joined`` runs (on the step's thread) when its prefill is done and it
@@ -171,11 +174,11 @@ class TextEngine:
         return self.scheduler.memory_model()
 
     @property
-    def prefix_cache(self) -> Any:
+    def prefix_cache(self) -> PrefixCache | None:
         return self.scheduler.prefix_cache
 
     @property
-    def specprefill(self) -> Any:
+    def specprefill(self) -> SpecPrefill | None:
         return self.scheduler.specprefill
 
     def counts(self) -> dict[str, int]:

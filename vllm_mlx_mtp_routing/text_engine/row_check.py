@@ -13,7 +13,7 @@ import logging
 
 import mlx.core as mx
 
-from .outputs import TextOutput
+from .state import TextOutput
 from .sampling import RowSampler, SamplingOptions
 
 logger = logging.getLogger(__name__)

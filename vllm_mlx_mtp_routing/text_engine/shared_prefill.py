@@ -13,11 +13,11 @@ the latest with the ``SharedPrefill`` object itself (the HTTP request that made 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..prefix_cache.snapshot import Snapshot
-    from .rows import Row
+from ..prefix_cache.snapshot import Snapshot, restore, take
+from .row import Row
+from .state import PrefillState
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ class SharedPrefill:
         elif prompt != self.prompt:
             return True
         if self.snapshot is not None:
-            from ..prefix_cache.snapshot import restore
-
             row.prefill = restore([self.snapshot], model.make_cache(), with_head)
             row.shared_prefill = True
             return True
@@ -55,11 +53,9 @@ class SharedPrefill:
             return True
         return False
 
-    def joined(self, row: Row, state: Any) -> None:
+    def joined(self, row: Row, state: PrefillState) -> None:
         """``row`` is about to join the batch with ``state`` (before the batch takes it)."""
         if row is self.leader and self.snapshot is None and self.done + 1 < self.rows:
-            from ..prefix_cache.snapshot import take
-
             try:
                 self.snapshot = take(state, None)
             except Exception as exc:  # sharing saves work only: the other rows prefill themselves

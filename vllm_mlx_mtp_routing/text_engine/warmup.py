@@ -26,11 +26,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..model.kernels.device import on_cuda
-from .batch import BatchScheduler
-from .draft_policy import DraftPolicy
-from .mtp_decode import MTPDecode
-from .rows import TextRequest
+from .scheduler import BatchScheduler
+from .spec.draft_policy import DraftPolicy
+from .spec.mtp import MTPDecode
+from .state import TextRequest
 from .sampling import SamplingOptions
 
 # The few-row matmul has a kernel per row count in 2..8 (skinny_matmul.MAX_ROWS), past which a step runs MLX's
@@ -80,14 +79,14 @@ def enabled(mode: str) -> bool:
         raise ValueError(f"text warm-up mode must be one of {MODES}, got {mode!r}")
     if mode != "auto":
         return mode == "on"
-    return on_cuda()
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 
 def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
     """Step throwaway rows through ``scheduler``'s decode strategy at each of ``batch_sizes`` (ascending), on the
     thread that owns the model; ``scheduler`` itself is only read."""
     tic = time.perf_counter()
-    decode, policy = scheduler.decode, None
+    decode, policy = scheduler.spec, None
     if isinstance(decode, MTPDecode):
         policy = ScriptedDrafts(decode.k)
         decode = decode.twin(policy)
@@ -101,7 +100,7 @@ def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
 
 
 def _rehearse(
-    scheduler: BatchScheduler, decode: Any, policy: ScriptedDrafts | None, sizes: list[int]
+    scheduler: BatchScheduler, decode: MTPDecode | None, policy: ScriptedDrafts | None, sizes: list[int]
 ) -> tuple[list[int], list[float], tuple[int, int]]:
     """(sizes that took a verify, seconds per size, (snapshots taken, restored)) of a scheduler of its own, dropped on
     return."""
@@ -124,7 +123,7 @@ def _rehearse(
             while len(rehearsal.running) < B:  # the new rows' prefill and join, then (in the same step) a plain step of B rows
                 _check(rehearsal.step(), B)
             # The verify where the server's own policy could draft at this size (--mtp-max-batch-size).
-            if policy is not None and scheduler.decode.policy.draft_count(B):
+            if policy is not None and scheduler.spec is not None and scheduler.spec.policy.draft_count(B):
                 policy.drafting = True
                 _check(rehearsal.step(), B)
                 verified.append(B)

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from .draft_costs import DraftCosts, bucket_of
 from .mtp_rows import MTPRowState
-from .sampling import RowSampler
+from ..sampling import RowSampler
 
 ROW_RATE = 1 / 8  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
 PRIOR_RATE = 1 / 32  # a new row's starting estimate: the recent acceptance of every row

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .sampling import RowSampler
+from ..sampling import RowSampler
 
 
 def processed_row(logits: mx.array, drafts: list[int], q: mx.array | None, sampler: RowSampler) -> tuple[list[int], int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..model.mlx_lm_internals import KVCache
+from ...model.mlx_lm_internals import KVCache
 
 
 class PositionedKVCache(KVCache):

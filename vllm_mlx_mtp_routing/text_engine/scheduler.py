@@ -1,4 +1,5 @@
-"""The synchronous continuous-batching core: admission, chunked prefill, batched decode.
+"""The scheduler: plans each step of the continuous batch (admission, chunked prefill, joins, the decode, leaves)
+and keeps every request's bookkeeping; the model runner (runner.py) executes what it plans.
 
 Exactness. A request's output does not depend on what else is running:
 
@@ -39,23 +40,25 @@ import time
 from collections import deque
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
-from . import prefill_budget, row_check
-from .prefill_budget import ChunkGrid
-from ..prefix_cache.plan import SnapshotPlan
-from .batch_cache import BatchCache
-from .decode import DecodeStrategy, SingleTokenDecode
+from .. import gc_pauses
 from ..admission.memory_model import MemoryModel
+from ..prefix_cache.cache import PrefixCache
+from ..prefix_cache.plan import SnapshotPlan
+from ..specprefill.pipeline import SpecPrefill
+from . import prefill_budget, row_check
+from .batch_cache import BatchCache
+from .decode_batch import DecodeBatch
 from .detokenize import eos_ids_of
 from .footprint import engine_memory_model
-from .outputs import TextOutput
-from .rows import DecodeBatch, PrefillState, Row, TextRequest
-from .. import gc_pauses
+from .prefill_budget import ChunkGrid
+from .row import Row
+from .runner import ModelRunner
+from .spec.mtp import MTPDecode
+from .state import PrefillState, TextOutput, TextRequest
+from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillWork, SparsePiece
 from .step_profile import StepProfile, StepRecord
-
-__all__ = ["BatchScheduler", "PrefillState", "Row", "TextRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +74,12 @@ class BatchScheduler:
         max_num_seqs: int = 16,
         prefill_step_size: int = 2048,
         eos_token_ids: list[int] | set[int] | None = None,
-        decode: DecodeStrategy | None = None,
-        prefix_cache: Any = None,
-        specprefill: Any = None,
+        decode: MTPDecode | None = None,
+        prefix_cache: PrefixCache | None = None,
+        specprefill: SpecPrefill | None = None,
     ) -> None:
-        """``prefix_cache``: a ``prefix_cache.PrefixCache`` (None: every prompt is prefilled in full);
-        ``specprefill``: a ``specprefill.SpecPrefill`` (None: every prompt is prefilled densely)."""
+        """``decode``: MTP speculative decoding (None: one token per row per step); ``prefix_cache``: None
+        prefills every prompt in full; ``specprefill``: None prefills every prompt densely."""
         if max_num_seqs < 1 or prefill_step_size < 1:
             raise ValueError("max_num_seqs and prefill_step_size must be >= 1")
         self.model = model
@@ -88,14 +91,12 @@ class BatchScheduler:
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
-        self.decode = decode or SingleTokenDecode()
+        self.spec = decode
         self.prefix_cache = prefix_cache
         self.specprefill = specprefill
+        self.runner = ModelRunner(model, decode)
         self.waiting: deque[Row] = deque()
         self.prefilling: list[Row] = []
-        # The decode batch owns the running rows and every batch cache (backbone and MTP head).
-        self.batch = DecodeBatch(model, head_layers=self.decode.head_layers)
-        self.decode.bind(self.batch)
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -104,14 +105,23 @@ class BatchScheduler:
         self.profile = StepProfile()
 
     @property
+    def batch(self) -> DecodeBatch:
+        """The decode batch (the runner's): its rows and every batch cache."""
+        return self.runner.batch
+
+    @property
     def running(self) -> list[Row]:
         """The decode batch's rows, in cache row order."""
-        return self.batch.rows
+        return self.runner.batch.rows
 
     @property
     def cache(self) -> BatchCache:
         """The backbone's batch caches."""
-        return self.batch.backbone
+        return self.runner.cache
+
+    @property
+    def head_layers(self) -> int:
+        return self.spec.head_layers if self.spec is not None else 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -130,32 +140,32 @@ class BatchScheduler:
 
     def abort(self, request_id: str) -> TextOutput | None:
         """Remove a request now (call between steps); its final output, or None if unknown."""
-        seq = self._find(request_id)
-        if seq is None:
+        row = self._find(request_id)
+        if row is None:
             return None
-        if seq in self.running:
-            self._drop_rows([seq])
+        if row in self.running:
+            self._drop_rows([row])
         else:
-            (self.prefilling if seq in self.prefilling else self.waiting).remove(seq)
-            if seq.req.share is not None:
-                seq.req.share.left(seq)
-        seq.prefill = seq.sparse = None
-        return seq.output("abort")
+            (self.prefilling if row in self.prefilling else self.waiting).remove(row)
+            if row.req.share is not None:
+                row.req.share.left(row)
+        row.prefill = row.sparse = None
+        return row.output("abort")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
     def _find(self, request_id: str) -> Row | None:
         for group in (self.running, self.prefilling, self.waiting):
-            for s in group:
-                if s.rid == request_id:
-                    return s
+            for row in group:
+                if row.rid == request_id:
+                    return row
         return None
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[TextOutput]:
-        """Admit, prefill up to one token budget, decode the batch once; outputs of this step."""
+        """Admit, prefill up to one budget, join, decode the batch once; outputs of this step."""
         outputs: list[TextOutput] = []
         record = self.profile.begin(self.steps)
         try:
@@ -174,149 +184,157 @@ class BatchScheduler:
         return outputs
 
     def _prefill(self, record: StepRecord) -> list[TextOutput]:
+        """Prefill work in queue order, each item planned once the one before it ran, until the step's budget is
+        spent; prefilled rows join as they finish."""
         outputs = []
         done, started, last = 0, time.perf_counter(), 0.0
-        for seq in list(self.prefilling):
-            if seq.req.share is not None and not seq.req.share.ready(seq, self.model, self.decode.head_layers > 0):
+        for row in list(self.prefilling):
+            if row.req.share is not None and not row.req.share.ready(row, self.model, self.head_layers > 0):
                 continue  # another row of its request is prefilling the same prompt
             try:
-                if seq.plan is None:  # looked up now, not at add: a prefix the request before it just prefilled counts
-                    seq.plan = SnapshotPlan.start(self.prefix_cache, seq)
-                    if self.specprefill is not None:  # scored and prefilled sparsely in pieces, see specprefill/
-                        seq.sparse = self.specprefill.start(seq, self)
-                while seq.prefilled < seq.to_prefill:
-                    job = seq.sparse if seq.sparse is not None and seq.sparse.ready() else None
-                    n = job.next_cost() if job is not None else self._chunk_len(seq)
-                    if done and not prefill_budget.more_prefill(self, done + n, started, last):
+                self._begin_prefill(row)
+                while row.prefilled < row.to_prefill:
+                    work = self._next_work(row)
+                    if done and not prefill_budget.more_prefill(self, done + work.tokens, started, last):
                         break
-                    tic = time.perf_counter()
-                    advanced = job.advance() if job is not None else self._prefill_chunk(seq)
-                    done += advanced
-                    last = time.perf_counter() - tic
-                    record.chunk(advanced, last)
-            except Exception as e:  # only this request's own cache was touched
-                logger.exception("prefill failed for %s", seq.rid)
-                self.prefilling.remove(seq)
-                seq.prefill = seq.sparse = None
-                if seq.req.share is not None:
-                    seq.req.share.left(seq)
-                outputs.append(seq.output("error", error=f"{type(e).__name__}: {e}"))
+                    (ran,) = self.runner.prefill([work])
+                    if ran.error is not None:
+                        raise ran.error
+                    done += ran.tokens
+                    last = ran.seconds
+                    record.chunk(ran.tokens, ran.seconds)
+                    self._after_work(work)
+            except Exception as e:  # only this request's own caches were touched
+                logger.exception("prefill failed for %s", row.rid)
+                outputs.append(self._fail_prefill(row, e))
                 continue
-            if seq.prefilled < seq.to_prefill:
+            if row.prefilled < row.to_prefill:
                 break  # budget spent: later requests wait, keeping the queue order
-            if done and self.running and seq.to_prefill > self.prefill_chunk:
-                # A prompt longer than a chunk joins first thing next step, not after this step's prefill: its join
-                # (its KV copied into the batch; with MTP the head over the prompt's end), its first decode and, at
-                # max_tokens 1, its leaving cost the streams ~1.5 decode steps more at 16K tokens on an H100
-                # (benchmarks/leave_step.py), past the prefill budget this step already spent. Shorter ones join at
-                # once: their joins are cheap, and a burst of them would otherwise take a step each.
+            if done and self.running and row.to_prefill > self.prefill_chunk:
+                # A prompt longer than a chunk joins first thing next step, not after this step's prefill: its join,
+                # first decode and (at max_tokens 1) leaving would come on top of the prefill budget this step spent.
+                # Shorter ones join at once: their joins are cheap, and a burst of them would otherwise take a step each.
                 break
             tic = time.perf_counter()
-            self._join(seq)
+            self._join(row)
             record.joins += 1
             record.join_s += time.perf_counter() - tic
         return outputs
 
-    def _chunk_len(self, seq: Row) -> int:
+    def _begin_prefill(self, row: Row) -> None:
+        """The prefix-cache lookup and the SpecPrefill decision, once, when the row's prefill begins (not at add: a
+        prefix the request before it just prefilled counts)."""
+        if row.plan is not None:
+            return
+        row.plan = SnapshotPlan.start(self.prefix_cache, row)
+        if self.specprefill is not None:  # scored and prefilled sparsely in pieces, see specprefill/
+            row.sparse = self.specprefill.start(row, self)
+
+    def _next_work(self, row: Row) -> PrefillWork:
+        job = row.sparse if row.sparse is not None and row.sparse.ready() else None
+        if job is not None:
+            return SparsePiece(row, job, job.next_cost())
+        return PrefillChunk(row, row.prefilled, row.prefilled + self._chunk_len(row))
+
+    def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
         or ends that draw closer deeper into a prompt; see prefill_budget), never depending on the
         other requests, and at the request's prefix-cache snapshot positions."""
-        start = seq.prefilled
+        start = row.prefilled
         grid = self.chunk_grid
         end = grid.next_end(start) if grid is not None else (start // self.prefill_chunk + 1) * self.prefill_chunk
-        end = min(end, seq.to_prefill)
-        return (seq.plan.cut(start, end) if seq.plan is not None else end) - start
+        end = min(end, row.to_prefill)
+        return (row.plan.cut(start, end) if row.plan is not None else end) - start
 
-    def _prefill_chunk(self, seq: Row) -> int:
-        state = self._prefill_state(seq)
-        state.prefill_to = seq.to_prefill
-        start = state.prefilled
-        n = self._chunk_len(seq)
-        chunk = mx.array(seq.req.prompt_ids[start : start + n], dtype=mx.uint32)[None]
-        self.decode.prefill(self.model, chunk, state)
-        state.prefilled += n
-        self.prompt_tokens += n
-        if seq.plan is not None:
-            seq.plan.after_chunk(seq, n)
-        return n
+    def _after_work(self, work: PrefillWork) -> None:
+        if isinstance(work, PrefillChunk):
+            self.prompt_tokens += work.tokens
+            if work.row.plan is not None:  # a snapshot where the plan wants one
+                work.row.plan.after_chunk(work.row, work.tokens)
 
-    def _prefill_state(self, seq: Row) -> PrefillState:
-        if seq.prefill is None:
-            seq.prefill = PrefillState()
-        if seq.prefill.backbone is None:
-            seq.prefill.backbone = self.model.make_cache()
-        return seq.prefill
+    def _fail_prefill(self, row: Row, error: BaseException) -> TextOutput:
+        self.prefilling.remove(row)
+        row.prefill = row.sparse = None
+        if row.req.share is not None:
+            row.req.share.left(row)
+        return row.output("error", error=f"{type(error).__name__}: {error}")
 
-    def _join(self, seq: Row) -> None:
-        state = self._prefill_state(seq)
-        self.prefilling.remove(seq)
-        if seq.req.share is not None:
-            seq.req.share.joined(seq, state)
-            self.shared_prefill_rows += seq.shared_prefill
-        seq.decode = self.decode.join(state, seq.req.prompt_ids)
-        self.batch.insert(seq, state)
-        seq.prefill = None
-        if seq.req.on_joined is not None:  # e.g. admission giving back the prefill working set
+    def _join(self, row: Row) -> None:
+        state = self.runner.prefill_state(row)
+        self.prefilling.remove(row)
+        if row.req.share is not None:
+            row.req.share.joined(row, state)
+            self.shared_prefill_rows += row.shared_prefill
+        self.runner.join(row)
+        if row.req.on_joined is not None:  # e.g. admission giving back the prefill working set
             try:
-                seq.req.on_joined()
+                row.req.on_joined()
             except Exception:
-                logger.exception("on_joined callback of %s failed", seq.rid)
+                logger.exception("on_joined callback of %s failed", row.rid)
+
+    def _plan_decode(self, rows: list[Row]) -> DecodePlan:
+        if self.spec is None:
+            return DecodePlan(rows)
+        k, drafting = self.spec.plan(self.batch)
+        return DecodePlan(rows, k, drafting)
 
     def _decode(self) -> list[TextOutput]:
-        rows = self.running
+        rows = list(self.running)
         self.batch_size_histogram[len(rows)] = self.batch_size_histogram.get(len(rows), 0) + 1
         try:
-            result = self.decode.step(
-                self.model, self.cache, [s.next_input for s in rows], [s.sampler for s in rows]
-            )
+            plan = self._plan_decode(rows)
+            result = self.runner.decode(plan)
+            self._observe(plan, result)
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
             logger.exception("decode step failed; failing %d running requests", len(rows))
-            self.batch.clear()
-            return [s.output("error", error=f"{type(e).__name__}: {e}") for s in rows]
+            self.runner.clear()
+            return [r.output("error", error=f"{type(e).__name__}: {e}") for r in rows]
         outputs, finished = [], []
-        for i, (seq, tokens) in enumerate(zip(rows, result.tokens)):
-            before = len(seq.token_ids)
+        for i, (row, tokens) in enumerate(zip(rows, result.tokens)):
+            before = len(row.token_ids)
             if result.drafted:
-                seq.drafted += result.drafted[i]
-                seq.accepted += result.accepted[i]
+                row.drafted += result.drafted[i]
+                row.accepted += result.accepted[i]
             try:  # a fault of this row alone (its sampling, its stop handling) fails this row alone
-                if seq.sampler.fault is not None:
-                    raise seq.sampler.fault
-                seq.add_tokens(tokens, result.logprobs[i] if result.logprobs else None)
-                out = seq.output()
+                if row.sampler.fault is not None:
+                    raise row.sampler.fault
+                row.add_tokens(tokens, result.logprobs[i] if result.logprobs else None)
+                out = row.output()
             except Exception as e:
-                seq.finish_reason = "error"
-                out = row_check.error_output(seq, e)
-            self.generated_tokens += len(seq.token_ids) - before
+                row.finish_reason = "error"
+                out = row_check.error_output(row, e)
+            self.generated_tokens += len(row.token_ids) - before
             outputs.append(out)
-            if seq.finish_reason:
-                finished.append(seq)
+            if row.finish_reason:
+                finished.append(row)
                 if self.prefix_cache is not None:
-                    SnapshotPlan.after_generation(self.prefix_cache, seq, self.cache, i)
+                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, i)
         if finished:
             self._drop_rows(finished)
         return outputs
 
+    def _observe(self, plan: DecodePlan, result: DecodeResult) -> None:
+        if self.spec is not None:
+            self.spec.observe(self.batch, plan, result)
+
     def _drop_rows(self, gone: list[Row]) -> None:
-        self.batch.filter([s for s in self.running if s not in gone])
-        if not self.running:
-            mx.clear_cache()
+        self.runner.keep([r for r in self.running if r not in gone])
 
     def fail_all(self, error: BaseException) -> list[TextOutput]:
         """Finish every request with an error (last resort after an unexpected fault)."""
-        seqs = [*self.running, *self.prefilling, *self.waiting]
+        rows = [*self.running, *self.prefilling, *self.waiting]
         self.prefilling = []
         self.waiting.clear()
-        self.batch.clear()
-        return [s.output("error", error=f"{type(error).__name__}: {error}") for s in seqs]
+        self.runner.clear()
+        return [r.output("error", error=f"{type(error).__name__}: {error}") for r in rows]
 
     def memory_model(self) -> MemoryModel:
         """What this engine allocates per request (ask it for admission's projection)."""
         return engine_memory_model(
             self.model,
             prefill_step_size=self.prefill_step_size,
-            head_layers=self.decode.head_layers,
-            draft_tokens=getattr(self.decode, "k", 0) if self.decode.head_layers else 0,
+            head_layers=self.head_layers,
+            draft_tokens=self.spec.k if self.spec is not None else 0,
         )
 
     def counts(self) -> dict[str, int]:
@@ -335,5 +353,5 @@ class BatchScheduler:
             "cache_bytes": self.batch.nbytes,
             **dict(zip(("kv_bytes", "kv_used_bytes"), self.batch.kv_bytes())),
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
-            **({"mtp": self.decode.stats()} if hasattr(self.decode, "stats") else {}),
+            **({"mtp": self.spec.stats()} if self.spec is not None else {}),
         }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .processed_acceptance import processed_row
-from .sampling import RowSampler
+from ..sampling import RowSampler
 
 
 def speculative_row(

@@ -1,0 +1,157 @@
+"""The model runner: executes what the scheduler planned. The only part of the engine that calls the model.
+
+It owns the decode batch (its rows and every batch cache) and runs three kinds of work:
+
+- prefill items (``PrefillChunk``, ``SparsePiece``) on a row's own single-sequence caches (``PrefillState``), so
+  neither padding nor other prompts ever enter a prompt's forward passes;
+- joins: a prefilled row's caches become the batch's last row (per-row KV lengths and RoPE offsets, per-row
+  gated-delta state), its first decode step feeding its last prompt token;
+- a decode step of the whole batch: one [B, 1] forward and a sample per row, or with MTP the proposer's drafts, one
+  verify forward, acceptance and the rollback of what was rejected (spec/).
+
+Where a step ends in ``mx.async_eval`` (the MTP rollback) the device runs on while the scheduler does its
+bookkeeping; the plan/execute boundary is where a next step's planning can overlap the device's work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..backbone import backbone_forward
+from .batch_cache import BatchCache
+from .decode_batch import DecodeBatch
+from .logprobs import row_logprobs
+from .row import Row
+from .sampling import sample_rows
+from .spec import verify
+from .spec.mtp import MTPDecode
+from .spec.proposer import MTPProposer
+from .state import PrefillState
+from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillDone, PrefillWork
+
+
+def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.array, state: PrefillState) -> None:
+    """One prefill chunk ([1, n]) on a request's own caches (``state.backbone``; with MTP the head's pairs too),
+    from ``state.prefilled`` on, which it advances."""
+    if proposer is None or not proposer.wants_prefill_hidden(state, state.prefilled + tokens.shape[1]):
+        # mlx-lm's own forward: nothing reads the last layer's output, so it is never computed.
+        model(tokens, cache=state.backbone)
+        if proposer is not None:
+            proposer.skip_prefill_chunk(state)
+        mx.eval([c.state for c in state.backbone])
+    else:
+        _, hidden, _ = backbone_forward(model, tokens, state.backbone, hidden_state_mode=proposer.hidden_state_mode,
+                                        logits=False)
+        mx.eval([c.state for c in state.backbone], proposer.prefill(hidden, tokens, state, state.prefilled))
+    state.prefilled += tokens.shape[1]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, spec: MTPDecode | None = None) -> None:
+        self.model = model
+        self.spec = spec
+        self.batch = DecodeBatch(model, head_layers=spec.head_layers if spec is not None else 0)
+
+    @property
+    def cache(self) -> BatchCache:
+        return self.batch.backbone
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def prefill(self, work: Sequence[PrefillWork]) -> list[PrefillDone]:
+        """Run prefill items in order; an item that raises fails its row, whose later items are skipped."""
+        done: list[PrefillDone] = []
+        failed: set[int] = set()
+        for item in work:
+            if id(item.row) in failed:
+                done.append(PrefillDone(0, 0.0))
+                continue
+            tic = time.perf_counter()
+            try:
+                tokens = self._chunk(item) if isinstance(item, PrefillChunk) else item.job.advance()
+            except Exception as e:  # only this row's own caches were touched
+                failed.add(id(item.row))
+                done.append(PrefillDone(0, time.perf_counter() - tic, e))
+                continue
+            done.append(PrefillDone(tokens, time.perf_counter() - tic))
+        return done
+
+    def prefill_state(self, row: Row) -> PrefillState:
+        """The row's prefill-stage caches, made on first use."""
+        if row.prefill is None:
+            row.prefill = PrefillState()
+        if row.prefill.backbone is None:
+            row.prefill.backbone = self.model.make_cache()
+        return row.prefill
+
+    def _chunk(self, chunk: PrefillChunk) -> int:
+        row = chunk.row
+        state = self.prefill_state(row)
+        state.prefill_to = row.to_prefill
+        if state.prefilled != chunk.start:
+            raise RuntimeError(f"chunk starts at {chunk.start}, the row's caches hold {state.prefilled}")
+        tokens = mx.array(row.req.prompt_ids[chunk.start : chunk.end], dtype=mx.uint32)[None]
+        prefill_forward(self.model, self.spec.proposer if self.spec is not None else None, tokens, state)
+        return chunk.tokens
+
+    # -- joins and leaves ----------------------------------------------------------------------
+
+    def join(self, row: Row) -> None:
+        """A prefilled row becomes the batch's last row; its prefill-stage caches are released."""
+        state = self.prefill_state(row)
+        row.spec = self.spec.proposer.join(state, row.req.prompt_ids) if self.spec is not None else None
+        self.batch.insert(row, state)
+        row.prefill = None
+
+    def keep(self, rows: Sequence[Row]) -> None:
+        """Keep only these rows, in this order; with none left the allocator's cache goes back to the device."""
+        self.batch.filter(list(rows))
+        if not self.batch.rows:
+            mx.clear_cache()
+
+    def clear(self) -> None:
+        """Drop every row (after a fault that may have left the batch caches half-updated)."""
+        self.batch.clear()
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def decode(self, plan: DecodePlan) -> DecodeResult:
+        """One decode step of the batch: its rows in ``plan.rows`` order (the batch's own)."""
+        rows = list(plan.rows)
+        if len(rows) != len(self.batch.rows):
+            raise RuntimeError(f"a plan of {len(rows)} rows for a batch of {len(self.batch.rows)}")
+        samplers = [r.sampler for r in rows]
+        x = mx.array([r.next_input for r in rows], dtype=mx.uint32)[:, None]
+        if self.spec is None:
+            logits = self.model(x, cache=self.cache.layers)[:, -1, :]
+            sampled = sample_rows(logits, samplers)
+            mx.eval(sampled, self.cache.state())
+            tokens = [[t] for t in sampled.tolist()]
+            return DecodeResult(tokens, logprobs=row_logprobs(logits[:, None], tokens, samplers))
+        return self._speculative(plan, rows, samplers, x)
+
+    def _speculative(self, plan: DecodePlan, rows: list[Row], samplers: list, x: mx.array) -> DecodeResult:
+        spec = self.spec
+        assert spec is not None
+        k, drafting = plan.draft_tokens, plan.drafting
+        states = [r.spec for r in rows]
+        proposal = spec.proposer.propose(k, states, self.batch.head, drafting, samplers) if k else None
+        drafts = proposal.drafts if proposal is not None else None
+        logits, hidden, captured = verify.forward(
+            self.model, verify.feed(x, drafts, drafting), self.cache, hidden_state_mode=spec.hidden_state_mode,
+            capture=k > 0,
+        )
+        tokens, accepted = spec.accept(logits, drafts, proposal.qs if proposal is not None else {}, drafting, samplers, k)
+        verify.roll_back(self.cache, captured, tokens, k + 1)
+        spec.proposer.after_verify(states, hidden, tokens)
+        # Started, not awaited: the rollback runs while the scheduler does its bookkeeping.
+        mx.async_eval(self.cache.state(), [c.state for c in self.batch.head])
+        return DecodeResult(
+            tokens, [k if d else 0 for d in drafting], accepted, row_logprobs(logits, tokens, samplers),
+            caught_up=proposal.caught_up if proposal is not None else False,
+        )
+

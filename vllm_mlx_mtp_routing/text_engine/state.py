@@ -1,0 +1,130 @@
+"""The engine's currency: a request, its prefill-stage caches and what it reports.
+
+Shared by the scheduler, the runner, the prefix cache, SpecPrefill and n-sharing; it imports none of them, so
+each of them can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import mlx.core as mx
+
+from ..mlx_lm_internals import KVCache
+from .logprobs import TokenLogprob
+from .sampling import SamplingOptions
+
+
+class PrefillSharing(Protocol):
+    """The n rows of one request prefilled once (``shared_prefill.SharedPrefill``), as the scheduler sees it."""
+
+    def ready(self, row: Any, model: Any, with_head: bool) -> bool: ...
+
+    def joined(self, row: Any, state: PrefillState) -> None: ...
+
+    def left(self, row: Any) -> None: ...
+
+
+@dataclass
+class TextRequest:
+    request_id: str
+    prompt_ids: list[int]
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+    # Prompt positions worth a prefix-cache snapshot, with their kind ("system", "message"); the
+    # end of the prompt is always one. Used only with a prefix cache.
+    snapshot_at: list[tuple[int, str]] = field(default_factory=list)
+    # Called once when the request's prefill is done and it joins the decode batch.
+    on_joined: Callable[[], None] | None = None
+    # One of the n rows of a request (OpenAI ``n``): the rows prefill once (shared_prefill.py).
+    share: PrefillSharing | None = None
+    # The request's own SpecPrefill fields (a ``specprefill.settings.RequestChoice``; None: the server's).
+    specprefill: Any = None
+
+
+
+@dataclass
+class PrefillState:
+    """A request's caches before it joins the batch: single-sequence (batch 1) mlx-lm caches.
+
+    - ``backbone``: the layout of ``model.make_cache()`` (``KVCache`` for attention layers,
+      ``ArraysCache`` [conv, recurrent] for gated-delta layers) holding ``prompt[:prefilled]``.
+    - ``head``: the MTP head's caches (``MTPHead.make_cache()``: one ``KVCache`` per head layer)
+      holding the pairs (hidden_t, token_t+1) for t < prefilled - 1, i.e. prefilled - 1 entries.
+      None: the head starts empty at that position (it skips the missing positions; drafts are
+      still verified, so only acceptance can suffer). A head that started past 0 (its window of
+      the prompt, or after a restore without it) holds ``PositionedKVCache``s from there.
+    - ``head_hidden``: [1, 1, H], the backbone's hidden state at position prefilled - 1 (what the
+      MTP head reads: post-norm unless the config says pre_norm); its pair waits for the next
+      token. None: that pair is skipped too.
+    - ``prefilled``: prompt tokens already in ``backbone``; at most len(prompt) - 1, since the
+      last prompt token is fed by the row's first decode step.
+    - ``position``: the RoPE position of the next token when it differs from the keys held (a
+      sparse prefill keeps fewer keys than the positions it covered; ``prefilled`` then counts the
+      prompt tokens covered and must be len(prompt) - 1); None: the keys held, ``prefilled``.
+    """
+
+    backbone: list[Any] | None = None
+    head: list[Any] | None = None
+    head_hidden: mx.array | None = None
+    prefilled: int = 0
+    position: int | None = None
+    prefill_to: int | None = None  # len(prompt) - 1, set by the scheduler: where the prefill ends
+
+    @property
+    def next_position(self) -> int:
+        return self.prefilled if self.position is None else self.position
+
+    def check(self, prompt_len: int) -> None:
+        """Raise ValueError unless this state can start a request with a prompt of this length."""
+        if not 0 <= self.prefilled <= prompt_len - 1:
+            raise ValueError(f"prefilled={self.prefilled} must be in [0, {prompt_len - 1}] (the last prompt token is decoded)")
+        if self.prefilled and self.backbone is None:
+            raise ValueError("prefilled > 0 needs the backbone caches")
+        if self.backbone is not None:
+            kv = next((c for c in self.backbone if isinstance(c, KVCache)), None)
+            held = 0 if kv is None or kv.keys is None else kv.offset
+            if self.position is None and held != self.prefilled:
+                raise ValueError(f"backbone caches hold {held} tokens, prefilled says {self.prefilled}")
+            if self.position is not None and held > self.prefilled:
+                raise ValueError(f"backbone caches hold {held} tokens, more than the {self.prefilled} covered")
+        if self.position is not None:
+            if self.position < self.prefilled:
+                raise ValueError("position must be >= prefilled")
+            # mlx-lm's single-sequence caches rotate by the keys they hold, not by ``position``: a
+            # sparse state cannot be prefilled further, so it must cover all but the last token.
+            if self.prefilled != prompt_len - 1:
+                raise ValueError("a sparse state (position set) must cover the prompt but its last token")
+
+
+
+@dataclass
+class TextOutput:
+    """One update of one request.
+
+    ``new_text``/``new_token_ids`` are what this step added; ``text``/``token_ids`` are cumulative.
+    ``token_ids`` holds every generated token, a final stop token included (it counts in
+    ``completion_tokens``), while ``text`` never contains a stop token or stop string.
+    ``finish_reason`` is "stop", "length", "abort", or "error" (then ``error`` says why) once
+    ``finished``.
+    """
+
+    request_id: str
+    new_text: str
+    text: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool
+    finish_reason: str | None
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    error: str | None = None
+    # With ``logprobs`` requested: one entry per ``new_token_ids`` token, from the model's own logits
+    # (before penalties, processors and temperature); None otherwise.
+    logprobs: list[TokenLogprob] | None = None
+    # SpecPrefill's decision for this request (requested, engaged, reason, original_tokens, selected_tokens);
+    # None where the server runs without it.
+    specprefill: dict | None = None

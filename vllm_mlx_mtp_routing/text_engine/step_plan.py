@@ -1,0 +1,83 @@
+"""What the scheduler hands the runner: typed work for one step, and what the runner hands back.
+
+A step's prefill is planned one item at a time, each after the one before it ran: a prompt's chunk ends are fixed
+(the chunk grid, the prefix cache's snapshot positions), but whether the next item fits the step's time budget, and
+whether a request's prefix is now in the cache (the one before it may just have prefilled it), are known only then.
+The decode is planned once the joins are done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .logprobs import TokenLogprob
+from .row import Row
+
+
+class SparseWork(Protocol):
+    """A row's SpecPrefill job as the runner sees it (``specprefill.pipeline.SparseJob``)."""
+
+    def advance(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A dense forward of ``prompt[start:end]`` of one row, on its own single-sequence caches."""
+
+    row: Row
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SparsePiece:
+    """One piece of a row's SpecPrefill job: a draft scoring chunk, or a chunk of kept tokens on the target."""
+
+    row: Row
+    job: SparseWork
+    tokens: int  # its projected cost in prompt tokens
+
+
+@dataclass(frozen=True)
+class Join:
+    """A prefilled row joins the decode batch (its caches copied in as the batch's last row)."""
+
+    row: Row
+
+
+PrefillWork = PrefillChunk | SparsePiece
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """One prefill item as it ran: the tokens it advanced and its seconds, or the error that failed its row."""
+
+    tokens: int
+    seconds: float
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode step of the whole batch: its rows in cache order, and with MTP the draft count and who drafts."""
+
+    rows: Sequence[Row]
+    draft_tokens: int = 0
+    drafting: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class DecodeResult:
+    """Per row, the tokens it emits (plain: one; MTP: its accepted drafts, then one more)."""
+
+    tokens: list[list[int]]
+    drafted: list[int] = field(default_factory=list)  # per row; empty: none
+    accepted: list[int] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)  # per row where asked for; empty: none
+    caught_up: bool = False  # the MTP head resumed after plain steps (the step is not timed)
