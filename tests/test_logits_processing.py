@@ -22,7 +22,7 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 from vllm_mlx_mtp_routing.text_engine.logits_processing import fork_options
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from vllm_mlx_mtp_routing.testing.draft_hook import hooked_decode
+from support.draft_hook import hooked_decode
 from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
 
 PREFILL = 16

@@ -15,7 +15,7 @@ from scheduling import run_schedule
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from vllm_mlx_mtp_routing.testing.draft_hook import hooked_decode
+from support.draft_hook import hooked_decode
 
 PREFILL = 16  # prompts span several chunks; snapshot positions fall inside chunks
 MB = 1 << 20

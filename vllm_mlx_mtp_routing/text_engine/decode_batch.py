@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ..mlx_lm_internals import KVCache
+from ..model.mlx_lm_internals import KVCache
 from .batch_cache import BatchCache, RaggedKVCache
 from .row import Row
 from .spec.head_cache import PositionedKVCache

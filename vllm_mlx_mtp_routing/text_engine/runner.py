@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..backbone import backbone_forward
+from ..model.backbone import backbone_forward
 from .batch_cache import BatchCache
 from .decode_batch import DecodeBatch
 from .logprobs import row_logprobs

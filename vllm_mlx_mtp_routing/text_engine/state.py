@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 
-from ..mlx_lm_internals import KVCache
+from ..model.mlx_lm_internals import KVCache
 from .logprobs import TokenLogprob
 from .sampling import SamplingOptions
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...mtp import MTPHead
+from ...model.mtp import MTPHead
 from ..batch_cache import BatchCache, RaggedKVCache
 from ..decode_batch import DecodeBatch
 from ..sampling import RowSampler

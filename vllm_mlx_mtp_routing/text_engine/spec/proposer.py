@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ...mtp import MTPHead, lm_head
+from ...model.mtp import MTPHead, lm_head
 from ..batch_cache import RaggedKVCache
 from ..logits_processing import steer_drafts
 from ..sampling import RowSampler

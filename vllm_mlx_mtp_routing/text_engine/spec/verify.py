@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...backbone import Captured, backbone_forward
+from ...model.backbone import Captured, backbone_forward
 from ..batch_cache import BatchCache
 
 
