@@ -98,10 +98,12 @@ class MTPDecode:
         self.accepted_histogram = [0] * (self.k + 1)  # per drafting row-step: how many drafts it kept
 
     def twin(self, policy: DraftPolicy) -> MTPDecode:
-        """The same proposer and acceptance with none of this one's timings or counts, drafting as ``policy``
-        decides: the start-up warm-up steps it (warmup.py), so nothing it does reaches this one's policy or stats."""
+        """The head's own proposer and this acceptance with none of this one's timings or counts, drafting as
+        ``policy`` decides: the start-up warm-up steps it (warmup.py), so nothing it does reaches this one's policy
+        or stats."""
         twin = copy.copy(self)
         twin.policy = policy
+        twin.proposer = self.proposer.plain()
         twin._fresh_state()
         return twin
 

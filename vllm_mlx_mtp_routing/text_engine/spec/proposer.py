@@ -57,6 +57,7 @@ class MTPProposer:
         self.hidden_state_mode = hidden_state_mode or head.hidden_state_mode
         # Resuming after plain steps the head takes the last ``window`` pairs per row, so a plain step never runs
         # the head and a resume costs at most window / (k + 1) head forwards.
+        self.resume_window = resume_window
         self.window = max(resume_window, k + 1)
         # The head takes the prompt's last ``prompt_pairs`` positions (None: all): each one costs the prefill the
         # backbone's last layer there, which a prefill without MTP never computes.
@@ -65,6 +66,11 @@ class MTPProposer:
     @property
     def head_layers(self) -> int:
         return len(self.head.layers)
+
+    def plain(self) -> MTPProposer:
+        """The head's own proposer with these settings (a subclass that steers the drafts returns to the head's)."""
+        return MTPProposer(self.head, self.k, hidden_state_mode=self.hidden_state_mode,
+                           resume_window=self.resume_window, prompt_pairs=self.prompt_pairs)
 
     # -- the prompt ----------------------------------------------------------------------------
 
