@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from vllm_mlx_mtp_routing.model.mtp import mtp_greedy_generate
+from support.reference_decode import mtp_greedy_generate
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
