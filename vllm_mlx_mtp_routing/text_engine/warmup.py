@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from ..model.kernels.device import on_cuda
 from .scheduler import BatchScheduler
 from .spec.draft_policy import DraftPolicy
 from .spec.mtp import MTPDecode
@@ -79,7 +80,7 @@ def enabled(mode: str) -> bool:
         raise ValueError(f"text warm-up mode must be one of {MODES}, got {mode!r}")
     if mode != "auto":
         return mode == "on"
-    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+    return on_cuda()
 
 
 def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
