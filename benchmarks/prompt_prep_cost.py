@@ -66,7 +66,7 @@ def main() -> None:
 
     from vllm_mlx_mtp_routing.host import engine_access as host
     from vllm_mlx_mtp_routing.prefix_cache.boundaries import snapshot_positions
-    from vllm_mlx_mtp_routing.prompt_preparation import PromptPreparer, prepare_chat
+    from vllm_mlx_mtp_routing.routing.prompt_preparation import PromptPreparer, prepare_chat
 
     engine = BatchedEngine(str(args.model), force_mllm=True)
     _, engine._processor = load(str(args.model))  # what the host's start-up sets (vllm-mlx 0.6.0)

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.host import choices, request_body
-from vllm_mlx_mtp_routing.stop_strings import StopCut, cut
+from vllm_mlx_mtp_routing.routing.stop_strings import StopCut, cut
 
 
 @pytest.mark.parametrize("n, ok", [(None, 1), (1, 1), (3, 3), (2.0, 2), (0, None), (17, None), ("2", None), (True, None)])

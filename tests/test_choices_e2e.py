@@ -17,7 +17,7 @@ import openai
 import pytest
 from vllm_mlx.api.utils import clean_output_text  # what the host does to a non-streamed text
 
-from vllm_mlx_mtp_routing.plugin import eos_token_ids
+from vllm_mlx_mtp_routing.assembly import eos_token_ids
 from support.server import Server, png_data_url, serve
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode

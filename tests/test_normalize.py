@@ -7,7 +7,7 @@ import copy
 import pytest
 from jinja2.exceptions import TemplateError
 
-from vllm_mlx_mtp_routing.normalize import normalize_messages
+from vllm_mlx_mtp_routing.routing.normalize import normalize_messages
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 

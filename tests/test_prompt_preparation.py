@@ -13,7 +13,7 @@ import pytest
 
 from vllm_mlx_mtp_routing.prefix_cache.boundaries import common_tokens, snapshot_positions
 from vllm_mlx_mtp_routing.prefix_cache.shared_tokens import SharedTokens, common_prefix_len, splits_at_added_tokens
-from vllm_mlx_mtp_routing.prompt_preparation import PromptPreparer, prepare_chat
+from vllm_mlx_mtp_routing.routing.prompt_preparation import PromptPreparer, prepare_chat
 
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen35-trained"
 SYSTEM = "You are a careful assistant for a software team. Answer briefly and cite files by path. " * 4

@@ -73,11 +73,12 @@ def test_sampling_options_from_host_kwargs() -> None:
 
 def test_template_errors_become_400_on_both_paths() -> None:
     import asyncio
+    from types import SimpleNamespace
 
     import jinja2
 
     from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
-    from vllm_mlx_mtp_routing.routing import RoutingEngine, RoutingSettings
+    from vllm_mlx_mtp_routing.routing import RoutingEngine, RoutingSettings, ServingParts, TextPath
 
     class HostWithStrictTemplate:
         is_mllm = True
@@ -90,7 +91,11 @@ def test_template_errors_become_400_on_both_paths() -> None:
             return None
 
     router = RoutingEngine(HostWithStrictTemplate(), RoutingSettings())
-    router.text_engine = object()  # the text path is up; the template fails before it is used
+    # the text path is up; the template fails before it is used
+    idle = SimpleNamespace(prefix_cache=None, start=lambda: asyncio.sleep(0))
+    text = TextPath(idle, prefill_budget=None, mtp=None, prompts=None, warm_prefixes=frozenset(), vocab_size=2)
+    router.attach(ServingParts(tokenizer=None, context_tokens=None, tokens_per_media_item=0, admission=None, text=text))
+    asyncio.run(router.start_text_path())
     with pytest.raises(RequestRejected) as text_err:
         asyncio.run(router.chat([{"role": "user", "content": "hi"}], max_tokens=2))
     assert text_err.value.status_code == 400 and "roles must alternate" in text_err.value.message

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
-from vllm_mlx_mtp_routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
+from vllm_mlx_mtp_routing.routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest
@@ -127,8 +127,8 @@ def test_decorator_writes_are_deliberate() -> None:
     router = RoutingEngine(host, RoutingSettings())
     router.preserve_native_tool_format = True  # the host sets this on whatever engine it holds
     assert host.preserve_native_tool_format is True
-    router.text_engine = "mine"
-    assert "text_engine" not in vars(host)
+    router.disabled_reason = "mine"  # the decorator's own attribute stays on it
+    assert "disabled_reason" not in vars(host)
     router.scheduler = "replaced"  # the host engine's own attribute: its owner gets the write
     assert host.scheduler == "replaced"
     with pytest.raises(AttributeError, match="text_engin"):
@@ -137,7 +137,7 @@ def test_decorator_writes_are_deliberate() -> None:
 
 
 def test_undecodable_inline_images_are_400() -> None:
-    from vllm_mlx_mtp_routing.request_validation import validate_inline_images
+    from vllm_mlx_mtp_routing.routing.request_validation import validate_inline_images
     from support.server import png_data_url
 
     good = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url((1, 2, 3))}}]}

@@ -60,7 +60,7 @@ PRELOAD = ("transformers", "mlx_lm", "mlx_lm.models.cache", "mlx_lm.models.qwen3
            "vllm_mlx_mtp_routing.plugin", "vllm_mlx_mtp_routing.model.text_model", "vllm_mlx_mtp_routing.text_engine.engine",
            "vllm_mlx_mtp_routing.text_engine.spec.mtp", "vllm_mlx_mtp_routing.prefix_cache.cache",
            "vllm_mlx_mtp_routing.prefix_cache.disk_tier", "vllm_mlx_mtp_routing.admission",
-           "vllm_mlx_mtp_routing.specprefill", "vllm_mlx_mtp_routing.prompt_preparation",
+           "vllm_mlx_mtp_routing.specprefill", "vllm_mlx_mtp_routing.routing.prompt_preparation",
            # what the host's MLLM scheduler imports at its first start (its batch generator patches the gemma4 and
            # glm4v-moe models' modules), JSON mode's processor, and the plugin's server-side modules
            "vllm_mlx.mllm_scheduler", "vllm_mlx.constrained", "lmformatenforcer", "mlx_vlm.models.gemma4.language",

@@ -121,6 +121,7 @@ class AdmissionController:
         poll_interval_s: float = 0.25,
         wait_window: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        cache_bytes: Callable[[], int] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduler policy {policy!r}")
@@ -147,9 +148,9 @@ class AdmissionController:
         self._waiting: list[_Waiter] = []
         self._reserved = 0
         self._baseline = int(active_memory())
-        # Prefix-cache bytes (set by the plugin): resident memory that grows while requests run,
-        # after ``baseline`` was measured, so its growth since then counts as used.
-        self.cache_bytes: Callable[[], int] = lambda: 0
+        # Prefix-cache bytes: resident memory that grows while requests run, after ``baseline`` was
+        # measured, so its growth since then counts as used.
+        self.cache_bytes: Callable[[], int] = cache_bytes or (lambda: 0)
         self._baseline_cache = 0
         self._admitted = 0
         self._queued_total = 0

@@ -45,7 +45,7 @@ def _chat_part(part: Any, where: str) -> dict[str, Any] | None:
         return {"type": "text", "text": str(part.get("text") or "")}
     if kind in ("input_image", "image_url"):
         chat = {"type": "image_url", "image_url": {"url": _image_url(part, where)}}
-        from ..request_validation import validate_inline_images
+        from ..routing.request_validation import validate_inline_images
 
         try:
             validate_inline_images([{"content": [chat]}])

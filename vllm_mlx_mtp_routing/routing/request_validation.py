@@ -14,8 +14,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .plugin_api.errors import RequestRejected
-from .text_engine.sampling import MAX_TOP_LOGPROBS
+from ..plugin_api.errors import RequestRejected
+from ..text_engine.sampling import MAX_TOP_LOGPROBS
 
 SEED_LIMIT = 2**64
 MAX_STOP_STRINGS = 16

@@ -10,10 +10,10 @@ A non-streamed request is served from the host's stream, so it too stops at the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from .text_engine.detokenize import _held_back
+from ..text_engine.detokenize import _held_back
 
 
 def of(options: dict[str, Any]) -> list[str]:
@@ -40,7 +40,7 @@ class StopCut:
         return out
 
 
-async def cut(stream: AsyncIterator[Any], stops: list[str]) -> AsyncIterator[Any]:
+async def cut(stream: AsyncGenerator[Any, None], stops: list[str]) -> AsyncIterator[Any]:
     """The host's ``GenerationOutput`` stream, ended at the first stop string (as it is without any)."""
     if not stops:
         async for out in stream:
@@ -58,7 +58,7 @@ async def cut(stream: AsyncIterator[Any], stops: list[str]) -> AsyncIterator[Any
         await stream.aclose()  # vllm-mlx 0.6.0: closing the MLLM scheduler's stream aborts its request
 
 
-async def result(stream: AsyncIterator[Any], stops: list[str]) -> Any:
+async def result(stream: AsyncGenerator[Any, None], stops: list[str]) -> Any:
     """A non-streamed result from the host's stream, ended at the first stop string."""
     last = None
     async for out in cut(stream, stops):

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .prefix_cache.boundaries import snapshot_positions
-from .prefix_cache.shared_tokens import SharedTokens
+from ..prefix_cache.boundaries import snapshot_positions
+from ..prefix_cache.shared_tokens import SharedTokens
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
