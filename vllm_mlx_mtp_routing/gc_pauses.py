@@ -1,8 +1,8 @@
 """The garbage collector's pauses, which land on the step loop.
 
 Text steps run on the event-loop thread, and a full (generation 2) collection walks every container
-object the process holds: ~140K once a tiny model, the host and its libraries are loaded, ~75 ms on
-a CPU core, whichever thread triggers it. Allocation-heavy moments (a long prompt's request, its
+object the process holds (the host's and every loaded library's among them), a pause that grows with
+the process, whichever thread triggers it. Allocation-heavy moments (a long prompt's request, its
 token lists, its streams' frames) trigger them, and a stream sees the pause as a gap. Start-up
 objects live as long as the server, so after start-up they are frozen out of the collector's scans
 (``gc.freeze``, as vLLM does once its engine has started): a full collection then walks only what

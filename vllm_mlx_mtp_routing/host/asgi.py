@@ -75,7 +75,7 @@ def current() -> RequestContext | None:
 class RefusalLogFilter(logging.Filter):
     """Drops the host's ERROR lines about a request a plugin refused: vllm-mlx 0.6.0 logs every exception
     out of a stream generator at ERROR ("Streaming error, ensuring terminal frame", "[disconnect_guard]
-    generator raised"), so a burst of 503s flooded the log. The admission controller logs refusals at
+    generator raised"), so a burst of 503s would flood the log. The admission controller logs refusals at
     INFO, once per burst."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -58,8 +58,8 @@ def _recurrence_loop(
     """mlx-lm's recurrence with every state kept. ``gated_delta_update`` computes the gates and
     the GQA repeat once per call and then (CPU, CUDA) loops its compiled single step over the
     positions, or (Metal) runs one fused kernel over all of them; this does the same, keeping the
-    state after each position. (Calling ``gated_delta_update`` per position repeated the gates and
-    the repeat S times, ~36 more launches per verify, which a launch-bound GPU pays in full.)"""
+    state after each position. (Calling ``gated_delta_update`` per position would repeat the gates and
+    the repeat S times: more launches per verify, which a launch-bound GPU pays in full.)"""
     if mask is not None:
         raise ValueError("capturing gated-delta states needs unmasked (unpadded) rows")
     S, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]

@@ -20,7 +20,7 @@ from typing import Any
 
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
     """``len(os.path.commonprefix([a, b]))`` for strings or lists, by halving slices (compared in C)
-    instead of a Python step per character: ~80K characters of a 16K-token prompt in a few µs."""
+    instead of a Python step per character, so a long prompt's text costs a few C comparisons."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

@@ -1,7 +1,7 @@
 """A text request's prompt, prepared off the event loop: its tokens and its snapshot positions.
 
-A 16K-token chat cost the event loop ~50 ms on the CPU before this (tokenizing the prompt three times:
-once itself, then each boundary's prefix again), during which running streams and ``/health`` wait.
+Tokenizing a long chat on the event loop is a pause that running streams and ``/health`` wait out, and placing
+each snapshot boundary by tokenizing its prefix again would repeat that work per boundary.
 Here the prompt is rendered once and tokenized once (``SharedTokens`` places the prefix cache's
 boundaries from that one tokenization), on one worker thread; the event loop only awaits it.
 

@@ -57,8 +57,8 @@ class StepArrays:
     Each layer keeps its own pool, but its rows, lengths and tables change in lockstep with every
     other layer's (the batch joins, grows, trims and filters them together), so per step the write
     slots, the read index and the RoPE offsets are the same arrays in every layer. Made per layer,
-    they were ~8 small device ops and a host-to-device copy per attention layer and step: the bulk
-    of the blocks' step cost on a launch-bound GPU (BENCHMARKS.md section 6). A memo keyed by
+    they would be several small device ops and a host-to-device copy per attention layer and step,
+    which a launch-bound GPU pays per launch. A memo keyed by
     content (lengths, tables) or by the identity of the arrays it derives from keeps a few recent
     entries, enough for one step's layers; an entry keyed by identity holds its sources, so an
     ``id`` is never reused while its entry lives."""
@@ -100,14 +100,12 @@ class RaggedKVCache(BaseCache):
     free. Attention still runs as one batched call: each step gathers the rows' blocks into the
     dense ``[B, H, n, D]`` keys/values the attention reads (n = the longest row, or the whole
     ``step``-rounded span, see below), a transient of one layer's size, freed after the layer.
-    Measured against one dense buffer at the longest row's capacity (this class before) and a
-    slot-major pool, in BENCHMARKS.md section 6 (benchmarks/kv_layout_ab.py).
 
     ``whole_buffer``: attention reads ``step``-rounded spans (its key length changes every
     ``step`` tokens) instead of the rows' longest length (every token). On by default where
     attention kernels are planned per shape (cuDNN's SDPA, which MLX's CUDA backend takes for
-    multi-token queries such as a [B, k+1] verify): planning anew at every step cost ~70 ms per
-    step on an H100 (benchmarks/gpu_step_trace.py). Elsewhere the masked tail would be wasted work.
+    multi-token queries such as a [B, k+1] verify): a key length that changes every token would
+    be planned anew at every step. Elsewhere the masked tail would be wasted work.
     """
 
     step = 256  # the key-length granularity attention sees in whole_buffer mode
@@ -116,10 +114,9 @@ class RaggedKVCache(BaseCache):
     # grew alone) is read as a slice, without the gather's copy: see _read.
     slice_single_run = True
     # What one more attention call costs, in key positions read per row (length_groups.plan_groups);
-    # 0: one call always. On the CPU a 16K row's join step took 0.64x the single call's time. On an
-    # H100 at the Qwen3.5-2B shape the single call read four 300-token rows at the 16K row's span
-    # for 1.07x their own step, and the split's extra launches cost more (1.13-1.18x the single
-    # call; BENCHMARKS.md section 7, benchmarks/join_step.py): off on GPUs. None: the device's
+    # 0: one call always. On the CPU attention's arithmetic dominates and a split can pay; on a GPU
+    # reading short rows at a long row's span costs little and the split's extra launches cost
+    # more: off on GPUs. None: the device's
     # (default_group_overhead), read when attention is planned.
     group_overhead: int | None = None
 
@@ -338,7 +335,7 @@ class RaggedKVCache(BaseCache):
             index, slots,
         )
         # put_along_axis (MLX's axis scatter) rather than an indexed assignment (its general scatter): on CUDA the
-        # general one cost ~30 us more a call at these sizes (benchmarks/kv_gather_ops.py). A decode step's
+        # general one is the slower of the two at these sizes, paid per layer and step. A decode step's
         # [H, B, 1, D] -> [H, B, D] is a view; a verify's [H, B * S, D] a small copy.
         self._pool_k = mx.put_along_axis(self._pool_k, idx, keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk), axis=1)
         self._pool_v = mx.put_along_axis(

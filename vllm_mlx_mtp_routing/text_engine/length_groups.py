@@ -1,8 +1,9 @@
 """Which rows of a batch share one attention call.
 
 One batched attention call reads every row's keys up to the longest row's span: a 16K-token row
-that joins four 300-token chats makes each of the five read 16K positions (BENCHMARKS.md section
-7: the join step's decode ran 2.7x a step of the four alone on the CPU). Rows of similar length
+that joins four 300-token chats makes each of the five read 16K positions, where the chats alone
+read a few hundred; where attention's arithmetic dominates (the CPU), that step costs a multiple
+of the chats' own. Rows of similar length
 gain nothing from being split, and every extra call has a fixed price (a gather, an attention
 launch, their share of the output's reassembly), so the split is a small optimisation problem:
 minimise sum over groups of (rows x span) + ``overhead`` per group beyond the first, spans and

@@ -14,8 +14,8 @@ chunk sizes on the loaded model (a cost of a + b * tokens per chunk) and takes
   least one chunk), or within ``IDLE_STEP_S`` when no row is decoding (a lone prompt goes at full
   speed and ``/health`` still answers between steps), never more than ``--prefill-step-size`` tokens.
 
-Attention's cost grows with the position: on MLX's CPU backend a 16-token chunk 15K tokens into a
-prompt took 2.4x one at its start (BENCHMARKS.md section 7), one step's gap blown by the chunk alone.
+Attention's cost grows with the position: on a CPU a small chunk deep in a long prompt costs a
+multiple of one at its start, enough alone to blow one step's gap.
 So the calibration also times a chunk over a cache 2K-8K positions deep (keys written, not
 prefilled: what attention costs does not depend on their values) for the attention's share, ``c``
 seconds per token per position it reads, and a chunk's projected time is ``a + b * n + c * n *
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 MIN_CHUNK = 16
 IDLE_STEP_S = 0.25
 # Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens (more where 24 tokens cost no more than 8, see calibrate). Where prefill is slow (a quantized model on
-# MLX's CPU backend: ~64 ms a token) larger probes cost the start-up tens of seconds.
+# MLX's CPU backend) larger probes would cost the start-up tens of seconds.
 PROBE_SMALL = 8
 PROBE_LARGE = 24
 # The attention probe's cache doubles from MIN until a chunk there costs VISIBLE x one at the start;
@@ -168,14 +168,13 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
     def timed_prefill(n: int) -> float:
         prefill(n)  # warm-up per shape: first-call compilation and buffer allocation
         # The faster of two: noise only ever adds time, and one slow probe (a GPU still planning or
-        # clocking up at start-up) read into the median of two made the chunk 80 tokens on one start
-        # of an H100 server and 368-1536 on others (BENCHMARKS.md section 7).
+        # clocking up at start-up) read into a median would shrink the chunk several times over.
         return fastest_seconds(lambda: prefill(n), 2)
 
     small = timed_prefill(PROBE_SMALL)
     probe_large = PROBE_LARGE
     large = timed_prefill(probe_large)
-    # Where a token costs little against a chunk's fixed cost (a GPU: ~30 us a token beside ~10 ms of launches),
+    # Where a token costs little against a chunk's fixed cost (a GPU: a chunk's launches outweigh its tokens),
     # 24 tokens do not move the clock and the per-token cost would read as zero, letting the chunk grow to
     # --prefill-step-size: grow the probe until it costs visibly more than the small one.
     while large < 1.5 * small and probe_large * 4 <= max_chunk:
@@ -191,9 +190,9 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
 
     for _ in range(DECODE_WARMUP):
         decode()
-    # The median of several after a few untimed: a GPU's first steps run slow (an H100 server's budget came out
-    # 1.7x its neighbour's on a median of five after one), and its fastest undercuts what a step takes once
-    # serving (6.6 against 10.6 ms: the chunk a fifth of the size, a 16K prompt's first token 3x later).
+    # The median of several after a few untimed: a GPU's first steps run slow (a budget from them is too
+    # large), and its fastest undercuts what a step takes once serving (a budget from it is too small: the
+    # chunk shrinks with it, and a long prompt's first token comes later).
     decode_s = median_seconds(decode, DECODE_PROBES)
     per_token = max((large - small) / (probe_large - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)

@@ -1,17 +1,16 @@
 """A start-up warm-up of the decode step at each batch size, so that no request pays its one-off compiles.
 
-On MLX's CUDA backend the first decode step at a new batch size took 2-12 s on an H100, plain and MTP verify alike
-(benchmarks/first_steps.py, BENCHMARKS.md section 7): kernels are compiled at their first use (the skinny matmul
-per row count, MLX's own JIT kernels, each operation's first use in the process) and cuDNN planned the gated-delta
-conv per shape (now one kernel of ours, causal_conv.py). A server met each the first time its batch grew to that
-size, and every running stream stalled with it.
+On MLX's CUDA backend the first decode step at a new batch size costs seconds, plain and MTP verify alike:
+kernels are compiled at their first use (the skinny matmul per row count, MLX's own JIT kernels, each operation's
+first use in the process). Without a warm-up a server meets each the first time its batch grows to that size, and
+every running stream stalls with it.
 
 ``run`` steps throwaway rows through the engine's own decode strategy once at each batch size 1..N, one row
 joining per size as requests do: a plain step, and with MTP a verify of the configured draft count where the
 strategy would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. Where the
 server has a prefix cache, that row's snapshots are taken (one mid-prompt, one at the end of its generation) and a
-follow-up request restores one: on an H100 the first end-of-generation snapshot took 4.2 s
-(benchmarks/leave_step.py), a stall every stream of a fresh server met at its first finished request. The rows live
+follow-up request restores one: the first end-of-generation snapshot has first uses of its own, a stall
+every stream of a fresh server would meet at its first finished request. The rows live
 in a scheduler of their own (its batch caches, counters and step profile; a throwaway prefix cache of the server's
 kind, no SpecPrefill) stepping a twin of the strategy (MTP: its own counts and a policy that drafts where told), all
 dropped afterwards: nothing is counted, cached or reserved, and no later request's output changes. Short prompts,
@@ -34,7 +33,7 @@ from .state import TextRequest
 from .sampling import SamplingOptions
 
 # The few-row matmul has a kernel per row count in 2..8 (skinny_matmul.MAX_ROWS), past which a step runs MLX's
-# general kernels; first steps were measured at 1-6 rows (benchmarks/warmup_steps.py also times 9 and 10).
+# general kernels: the warm-up covers every row count that has a kernel of its own.
 MAX_BATCH = 8
 PROMPT_TOKENS = 4
 # The long row: past the KV pool's slack (9 blocks of 64), so that the pool compacts when it leaves.
@@ -146,8 +145,8 @@ def _rehearse(
 def _long_row(rehearsal: BatchScheduler, scheduler: BatchScheduler, options: SamplingOptions,
               policy: ScriptedDrafts | None) -> None:
     """A longer row prefilled in the server's chunks joins the batch and leaves it: the prefill's chunk shape, and
-    the KV pool's growth and compaction as it leaves, have first uses of their own (on an H100 the step after a
-    16K-token row left the batch took 3.6 s in a server warmed at batch sizes alone)."""
+    the KV pool's growth and compaction as it leaves, have first uses of their own, which warming batch sizes
+    alone does not pay."""
     if rehearsal.running:
         rehearsal.abort(rehearsal.running[-1].rid)  # room for it
     rehearsal.prefill_chunk, rehearsal.chunk_grid = scheduler.prefill_chunk, scheduler.chunk_grid

@@ -1,12 +1,11 @@
 """The gated-delta layer's depthwise causal conv on MLX's CUDA backend: one kernel for every shape.
 
-MLX 0.32.4 runs ``nn.Conv1d`` on CUDA through cuDNN, which plans every new input shape: 0.14-0.76 s at the first
-chunk of each new length and at each new batch size on an H100 (benchmarks/shape_compiles.py), a stall of every
-running stream each time a prompt's last chunk has a length not seen before. The layer's conv is depthwise (one
+MLX runs ``nn.Conv1d`` on CUDA through cuDNN, which plans every new input shape: a stall of every running stream at
+each new batch size and each time a prompt's last chunk has a length not seen before. The layer's conv is depthwise (one
 input channel per output) with no padding: each output is ``K`` products of one channel, summed here in float32 by
 one thread, in the same order whatever the shape, so a position's result does not depend on the chunk or the batch
-it is computed in. The same sum as shifted products in MLX ops, unfused, cost the H100 server 1.8x its prefill per
-token; this kernel is compiled once per dtype and kernel size.
+it is computed in. Written as shifted products in MLX ops the same sum runs unfused, an op per product and sum; this
+kernel is compiled once per dtype and kernel size.
 """
 
 from __future__ import annotations

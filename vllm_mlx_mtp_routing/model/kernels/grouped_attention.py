@@ -3,10 +3,10 @@
 mlx-lm's attention layer reads the whole batch's keys in one call, so every row reads the longest
 row's span. Over a ``RaggedKVCache`` this layer asks the cache how to split the rows
 (``RaggedKVCache.groups``, length_groups.py) and, where a split pays, runs one attention call per
-group over that group's own span: a 16K-token row beside four chats no longer makes the chats read
+group over that group's own span: a 16K-token row beside four chats does not make the chats read
 16K positions. Everything else is mlx-lm's ``Qwen3NextAttention.__call__`` (mlx-lm 0.31.3), line
-for line; a row's queries, keys and mask are the same, and its scores past its own length were
-masked before, so its output is the one the single call gave.
+for line; a row's queries, keys and mask are the same, and its scores past its own length are
+masked in the single call, so its output is the one the single call gives.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Reading the rows' KV blocks into the dense [B, H, n, D] keys attention takes.
 
-Each step, every attention layer reads every row's blocks out of its pool. MLX 0.32.4's general
-gather (``pool[:, idx]``) takes 60-130 us per call for these few-MB reads on an H100, ~5x a plain
-copy: two calls per layer and step were most of the blocks' step cost at a Qwen3.5-2B shape
-(BENCHMARKS.md section 6; ``benchmarks/kv_gather_ops.py``). On MLX's CUDA backend the read is one
+Each step, every attention layer reads every row's blocks out of its pool. MLX's general gather
+(``pool[:, idx]``) is several times slower than a plain copy for these few-MB reads on a GPU, and
+runs twice per layer and step (keys, values): much of the blocks' step cost. On MLX's CUDA backend the read is one
 copy kernel for keys and values together: a thread moves 16 bytes of one position of one head of
 each, writing the outputs contiguous, bit for bit what the gather gives. Elsewhere (CPU, Metal)
 MLX's gather stays.

@@ -1,14 +1,14 @@
 """Matmuls of 2-8 rows on MLX's CUDA backend: one kernel that reads each weight once.
 
 A decode step multiplies B rows by every weight matrix; a verify of [token, draft] multiplies 2B.
-On an H100, MLX 0.32.4 runs one row as a GEMV that streams a step's weights at 1.1-1.65 TB/s, and 2
-or more rows as a GEMM that reaches 0.57-0.9 TB/s at a Qwen3.5-2B layer's shapes, flat from 2 to 32
-rows (benchmarks/matmul_scaling.py --stack): a batch of 2 costs ~1.9x a batch of 1 in its matmuls,
-and a 2-token verify at batch 1 costs ~1.4x a decode step, where both read the same weights once.
+MLX runs one row as a GEMV that streams the weights near the memory's bandwidth, and 2 or more rows
+as a GEMM that streams them far slower at a decode step's shapes, flat in the row count: a batch of
+2 costs nearly twice a batch of 1 in its matmuls, and a 2-token verify at batch 1 costs well over
+a decode step, where both read the same weights once.
 
 The kernel below is a GEMV generalized to M rows: a warp per output feature, 16-byte loads of the
-weight row shared by the M input rows, fp32 accumulation, a warp reduction. It streams 0.82-1.10
-TB/s at 2-8 rows (0.68-0.90x MLX's time; benchmarks/skinny_matmul_bench.py), is slower than MLX's
+weight row shared by the M input rows, fp32 accumulation, a warp reduction. It is faster than
+MLX's GEMM at 2-8 rows and slower than MLX's
 GEMV at one row and than its GEMM at a vocabulary-sized output, so it takes neither. Each output
 is the same sum in the same order for any M in 2..8, so within that range a row's result does not
 depend on the rows beside it; a row alone still runs MLX's GEMV, whose sums differ from both.

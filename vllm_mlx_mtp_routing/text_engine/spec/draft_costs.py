@@ -35,7 +35,7 @@ class _Bucket:
     waited: int = 0  # steps the block has run
     last: tuple[bool, float] | None = None  # the session's previous block: (drafting, median seconds)
     # (ratio, uncertainty) of ``ratios`` as last computed: the policy asks every step, the ratios change
-    # only when a block ends, and statistics.stdev costs ~80 us (exact arithmetic) on a 2-core CPU
+    # only when a block ends, and statistics.stdev (exact arithmetic) is a visible share of a small step
     summary: tuple[float | None, float] | None = None
 
 

@@ -10,9 +10,8 @@ engine's step as it runs (the scheduler's and the server's per-step work include
 that can draft does: a row left out would be fed padding that costs the verify what its draft
 would. While acceptance keeps a bucket plain but drafting could pay at a higher one (r < 1 + k), one
 step in ``probe_every`` drafts, so the rows' acceptance does not go stale; a bucket where
-r >= 1 + k never drafts once measured. This replaced an exploring schedule (throughput arms per
-draft count, timed explorations with back-off, ~12 tunables) that a same-run benchmark did not find
-better anywhere (BENCHMARKS.md section 5, benchmarks/policy_ab.py).
+r >= 1 + k never drafts once measured. A cost model rather than exploring draft counts by their
+throughput: it decides from what a step costs and what the rows accept, with next to no tunables.
 
 A seeded sampled row drafts k whenever it can (it has a verified pair and is not at its last
 token), whatever the batch or the clock decide for the others: its drafts and random keys then
