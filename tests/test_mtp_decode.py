@@ -357,9 +357,10 @@ def test_sampling_with_mtp_matches_the_target_distribution(tiny, k):
 
 
 def test_seeded_requests_reproduce_alone_and_batched(tiny):
+    """Seeds 0, 1, 2: seed 0 is a seed too (a `seed or ...` slip in the row's sampler would draw a random one)."""
     bundle, tok = tiny
     prompts = _prompts([5, 18, 2], seed=2)
-    opts = [SamplingOptions(max_tokens=10, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(3)]
+    opts = [SamplingOptions(max_tokens=10, temperature=0.9, top_p=0.9, seed=i) for i in range(3)]
 
     def go(jobs):
         finals, _ = run(bundle, tok, jobs, MTPDecode(bundle.mtp, k=2, adaptive=False))
@@ -374,10 +375,11 @@ def test_seeded_requests_reproduce_alone_and_batched(tiny):
 def test_seeded_sampled_rows_draft_under_the_adaptive_policy_and_reproduce_alone_and_batched(tiny):
     """A seeded sampled row drafts whenever it can, whatever its batch decides for the others: alone,
     beside rows that decode plain (drafting loses by the costs given) and have pending pairs when it
-    joins, and under the default policy that learns its costs, it samples the same tokens."""
+    joins, and under the default policy that learns its costs, it samples the same tokens. Its seed is 0, which the
+    policy must count as a seed like any other."""
     bundle, tok = tiny
     prompts = _prompts([5, 18, 9], seed=12)
-    seeded = SamplingOptions(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    seeded = SamplingOptions(max_tokens=12, temperature=0.9, top_p=0.9, seed=0)
     others = [(0, prompts[1], SamplingOptions(max_tokens=30)), (0, prompts[2], SamplingOptions(max_tokens=30, temperature=0.7))]
 
     def go(jobs, policy=None):

@@ -124,6 +124,22 @@ def test_stream_text_equals_non_stream(plugin_server: Server) -> None:
     assert streamed == chat_text(plugin_server, messages)
 
 
+def test_stream_with_a_stop_string_spanning_tokens_equals_non_stream(plugin_server: Server) -> None:
+    """A stop string from the last 2 characters of one token's text to the first 2 of the next: the text path holds
+    back what could still be a stop's start (text_engine.detokenize, whose hold-back the media path shares in
+    stop_strings.py), so no delta shows any of it and the deltas join to the non-streamed text, cut before it."""
+    client = plugin_server.openai(timeout=180)
+    kw = {"model": plugin_server.model, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 16, "temperature": 0}
+    pieces = [e.token for e in client.chat.completions.create(**kw, logprobs=True).choices[0].logprobs.content]
+    full, ends = "".join(pieces), [len("".join(pieces[: k + 1])) for k in range(len(pieces))]
+    k = next(k for k in range(1, len(pieces) - 1) if min(len(pieces[k]), len(pieces[k + 1])) >= 2
+             and full.find(full[ends[k] - 2 : ends[k] + 2]) == ends[k] - 2 and full[: ends[k] - 2].strip() == full[: ends[k] - 2])
+    stop = full[ends[k] - 2 : ends[k] + 2]
+    out = client.chat.completions.create(**kw, stop=[stop]).choices[0]
+    assert out.message.content == full[: ends[k] - 2] and out.finish_reason == "stop"
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stop=[stop], stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == out.message.content and chunks[-1].finish_reason == "stop"
+
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(plugin_server: Server) -> None:
     def body(seed: object) -> dict:
@@ -143,3 +159,29 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(plugin_server: Ser
     assert len({first, batch[1], batch[3]}) > 1  # other seeds sample other text
     bad = plugin_server.post(url, json=body("seven"), timeout=60)
     assert bad.status_code == 400 and "seed" in bad.json()["error"]["message"]
+
+
+def test_seed_zero_is_a_seed_alone_and_in_a_batch(plugin_server: Server) -> None:
+    """Seed 0 is a seed like any other: the same request twice gives the same text, alone and beside other requests,
+    and its n = 2 copies are seeds 0 and 1; a request without a seed samples other text. (A `seed or ...` slip
+    anywhere on its path, the pre-generation hook, the routing's options, the row's sampler or the copies' seed + j,
+    treats 0 as no seed.)"""
+    url = "/v1/chat/completions"
+
+    def body(seed: int | None, **kw: object) -> dict:
+        return {"model": plugin_server.model, "messages": [{"role": "user", "content": "def main():"}], "max_tokens": 12,
+                "temperature": 1.0, **({} if seed is None else {"seed": seed}), **kw}
+
+    def texts(r) -> list[str]:
+        return [c["message"]["content"] for c in r.json()["choices"]]
+
+    zero, one = (texts(plugin_server.post(url, json=body(s), timeout=120))[0] for s in (0, 1))
+
+    async def together() -> list[list[str]]:
+        async with plugin_server.async_client(timeout=120) as client:
+            rs = await asyncio.gather(*(client.post(url, json=b) for b in (body(0), body(None), body(0, n=2), body(1))))
+            return [texts(r) for r in rs]
+
+    batch = asyncio.run(together())
+    assert batch[0] == [zero] and batch[2] == [zero, one] and batch[3] == [one]
+    assert zero != one and batch[1][0] != zero  # seed 0 is not "no seed"
