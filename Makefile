@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test bench-quick
+.PHONY: setup demo lint test bench-quick
 
 # The bootstrap .pth is copied into site-packages at install time: a change to it needs a reinstall.
-$(STAMP): pyproject.toml requirements/linux-host.txt requirements/linux-nodeps.txt requirements/test.txt \
+$(STAMP): pyproject.toml requirements/linux-host.txt requirements/linux-nodeps.txt requirements/test.txt requirements/lint.txt \
 		vllm_mlx_mtp_routing/host/vllm_mlx_mtp_routing_bootstrap.pth
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements/linux-host.txt -r requirements/test.txt
+	$(BIN)/pip install -q -r requirements/linux-host.txt -r requirements/test.txt -r requirements/lint.txt
 	$(BIN)/pip install -q --no-deps -r requirements/linux-nodeps.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
@@ -22,12 +22,17 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python scripts/demo.py
 
+# Lint and type check (configured in pyproject.toml); `make test` runs them first.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
 # Two workers (pytest-xdist): the suite is mostly server subprocesses and their clients taking turns on the CPU.
 TEST_WORKERS ?= 2
 # Bytecode of the checkout's own modules (an editable install) is written (to its ignored __pycache__ folders) even
 # where the environment turns that off: each fresh interpreter of the suite would otherwise compile them again.
 test: export PYTHONDONTWRITEBYTECODE :=
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 $(VENV)/.bench: $(STAMP)

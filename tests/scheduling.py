@@ -8,7 +8,10 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
-def run_schedule(model: Any, tokenizer: Any, jobs: list, *, max_num_seqs: int, prefill_step_size: int, decode: Any = None, prefix_cache: Any = None, chunk_grid: Any = None) -> tuple[dict, BatchScheduler]:
+def run_schedule(
+    model: Any, tokenizer: Any, jobs: list, *, max_num_seqs: int, prefill_step_size: int, decode: Any = None, prefix_cache: Any = None,
+    chunk_grid: Any = None,
+) -> tuple[dict, BatchScheduler]:
     """jobs: [(arrival_step, prompt_ids, SamplingOptions[, snapshot_at])] -> ({index: final TextOutput}, scheduler)."""
     sched = BatchScheduler(model, tokenizer, max_num_seqs=max_num_seqs, prefill_step_size=prefill_step_size, decode=decode, prefix_cache=prefix_cache)
     sched.chunk_grid = chunk_grid

@@ -66,7 +66,7 @@ async def admission_order(policy: str, requests: list[dict]) -> list[int]:
     tasks = []
     for i, req in enumerate(requests):
         tasks.append(asyncio.create_task(one(i, req)))
-        await until(lambda: ctl.stats()["queued"] == i + 1)
+        await until(lambda i=i: ctl.stats()["queued"] == i + 1)
     blocker.release()
     await asyncio.gather(*tasks)
     assert ctl.stats()["running"] == 0 and ctl.stats()["reserved_bytes"] == 0

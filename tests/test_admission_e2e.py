@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_bridge_cli import run_cli
 
 from support.server import Server, png_data_url, serve
-from test_bridge_cli import run_cli
 
 pytestmark = pytest.mark.server
 

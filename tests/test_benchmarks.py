@@ -89,7 +89,7 @@ def test_agentic_bench_workload_and_summary() -> None:
     assert [len(t) for t in turns] == [2, 4, 6, 8]
     assert [t[-1]["role"] for t in turns] == ["user", "tool", "user", "tool"]  # tool results and user messages alternate
     assert all(t[: len(prev)] == prev for prev, t in zip(turns, turns[1:]))  # each turn extends the one before
-    rec = lambda ttft, p, c: {"ttft_s": ttft, "total_s": ttft, "error": None, "prompt_tokens": p, "cached_tokens": c}
+    rec = lambda ttft, p, c: {"ttft_s": ttft, "total_s": ttft, "error": None, "prompt_tokens": p, "cached_tokens": c}  # noqa: E731
     results = {
         "host": [[rec(10.0, 100, 0)], [rec(12.0, 150, 0)]],
         "plugin": [[rec(8.0, 100, 0)], [rec(3.0, 150, 98)]],

@@ -18,9 +18,9 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from vllm_mlx_mtp_routing.model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable, quantize_like, read_drafter_folder
-from support.reference_decode import greedy_generate, mtp_greedy_generate
 from support.checkpoint_variants import PRECISIONS, variant
+from support.reference_decode import greedy_generate, mtp_greedy_generate
+from vllm_mlx_mtp_routing.model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable, quantize_like, read_drafter_folder
 from vllm_mlx_mtp_routing.model.text_model import build_text_model
 
 HEAD_LAYOUTS = ("subdir", "model-mtp", "mtp-file", "main", "drafter")

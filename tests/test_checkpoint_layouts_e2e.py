@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_mtp_routing.model.checkpoint_layouts import NO_MTP_HINT
 from support.checkpoint_variants import Variant, variant
 from support.server import Server, serve
+from vllm_mlx_mtp_routing.model.checkpoint_layouts import NO_MTP_HINT
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.host import choices, request_body
+from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.routing.stop_strings import StopCut, cut
 
 
@@ -54,7 +54,7 @@ def test_stream_merge_renumbers_splits_and_ends_once() -> None:
     start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
     a = _sse(chunk("a", "x")) + _sse(chunk("a", "y", "length", usage)) + b"data: [DONE]\n\n"
     b = _sse(chunk("b", "p")) + _sse(chunk("b", "q", "length", usage)) + b"data: [DONE]\n\n"
-    for j, raw in ((0, a), (1, b)):
+    for j, _raw in ((0, a), (1, b)):
         events.put_nowait((j, "http.response.start", start))
     # copy 1's bytes arrive split inside an event
     for j, part in ((1, b[:30]), (0, a), (1, b[30:])):

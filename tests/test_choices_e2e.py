@@ -17,11 +17,11 @@ import openai
 import pytest
 from vllm_mlx.api.utils import clean_output_text  # what the host does to a non-streamed text
 
-from vllm_mlx_mtp_routing.assembly import eos_token_ids
 from support.server import Server, png_data_url, serve
+from vllm_mlx_mtp_routing.assembly import eos_token_ids
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 pytestmark = pytest.mark.server
@@ -174,7 +174,8 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
     assert clean_output_text("".join(c.choices[0].delta.content or "" for c in stream if c.choices)) == full  # untouched
 
     # the mlx-vlm path's greedy output for this request is cut inside a character at 40 tokens
-    cut_messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image_url", "image_url": {"url": png_data_url((9, 9, 9))}}]}]
+    dark = {"type": "image_url", "image_url": {"url": png_data_url((9, 9, 9))}}
+    cut_messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, dark]}]
     long = client.chat.completions.create(model=server.model, messages=cut_messages, max_tokens=40, temperature=0).choices[0]
     assert long.finish_reason == "length" and "\ufffd" in long.message.content and not long.message.content.endswith("\ufffd")
 
@@ -189,8 +190,6 @@ def test_media_path_stop_strings_and_responses_images(server, client) -> None:
 
 
 def test_anthropic_stop_sequences_are_honoured(server: Server) -> None:
-    import anthropic
-
     client = server.anthropic()
     kw = {"model": server.model, "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}], "extra_body": {"temperature": 0}}
     full = client.messages.create(**kw).content[0].text

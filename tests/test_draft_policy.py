@@ -8,10 +8,10 @@ import random
 
 import mlx.core as mx
 
+from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler, SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.spec.draft_costs import DraftCosts, bucket_of
 from vllm_mlx_mtp_routing.text_engine.spec.draft_policy import DraftPolicy
 from vllm_mlx_mtp_routing.text_engine.spec.mtp_rows import MTPRowState
-from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler, SamplingOptions
 
 
 def _row(pending: bool = True, generated: int = 0) -> MTPRowState:
@@ -63,6 +63,25 @@ def test_costs_learn_the_ratio_from_alternating_blocks_through_a_slow_phase():
     assert steps == 18  # 3 timed steps a block, 3 blocks of each arm
     assert abs(costs.ratio(4) - 1.6) < 0.1
     assert costs.ratio(1) is None and costs.ratio_by_batch() == {1: None, 4: round(costs.ratio(4), 3)}
+
+
+def test_a_session_whose_every_block_was_cut_short_measures_again():
+    """Rows joining and leaving after each block (no steady step of the other arm for a while) restart
+    the block, unpaired: a session can end without a ratio. The policy then decided on None (a TypeError
+    every step at that batch size); the bucket now starts a new session instead."""
+    costs = DraftCosts(block=3, pairs=3)
+    for block in range(6):
+        for _ in range(3):
+            drafted = costs.learning_arm(1)
+            costs.record(1, drafted, 0.01)
+        if block < 5:
+            for _ in range(4 * (3 + 1) + 1):  # past the wait limit: the block restarts on the other arm
+                costs.learning_arm(1)
+    assert costs.ratio(1) is None
+    policy = DraftPolicy(1, costs=costs)
+    k, drafting = policy.plan(1, [_row()], [_sampler()])
+    assert (k, drafting) == (1, [True])  # a new session's first (drafting) block
+    assert costs.learning_arm(1) is not None
 
 
 def test_drafts_where_it_pays_and_never_where_it_cannot():

@@ -9,19 +9,17 @@ request decoded alone.
 
 from __future__ import annotations
 
-import itertools
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward
-from vllm_mlx_mtp_routing.model.mlx_lm_internals import Attention
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache
 from vllm_mlx_mtp_routing.model.kernels.grouped_attention import GroupedAttention
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import Attention
+from vllm_mlx_mtp_routing.text_engine.batch_cache import BatchCache, RaggedKVCache
 from vllm_mlx_mtp_routing.text_engine.length_groups import plan_groups
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 
 

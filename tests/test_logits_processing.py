@@ -16,14 +16,14 @@ from mlx_lm.sample_utils import make_logits_processors
 from vllm_mlx.api.tool_calling import build_json_logits_processor
 
 from logits_reference import direct_logits, generated_logprobs, reference_greedy
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
+from support.draft_hook import hooked_decode
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 from vllm_mlx_mtp_routing.text_engine.logits_processing import fork_options
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from support.draft_hook import hooked_decode
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 PREFILL = 16
 

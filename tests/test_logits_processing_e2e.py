@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from test_mtp_e2e import MTP_ALWAYS  # its server with MTP is this module's too (shared_server)
 
 from logits_reference import generated_logprobs, reference_greedy
-from test_mtp_e2e import MTP_ALWAYS  # its server with MTP is this module's too (shared_server)
 from support.server import Server, serve
 from vllm_mlx_mtp_routing.text_engine.detokenize import eos_ids_of
 

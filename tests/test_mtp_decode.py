@@ -16,21 +16,20 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from support.reference_decode import mtp_greedy_generate
 from scheduling import run_schedule
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
-from vllm_mlx_mtp_routing.model.backbone import RECURRENCES, gated_delta_layer, use_recurrence
+from support.draft_hook import HookedProposer, hooked_decode
+from support.reference_decode import mtp_greedy_generate
+from vllm_mlx_mtp_routing.model.backbone import RECURRENCES, _recurrence_with_states, gated_delta_layer, use_recurrence
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache
+from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
+from vllm_mlx_mtp_routing.text_engine.spec.acceptance import speculative_row
 from vllm_mlx_mtp_routing.text_engine.spec.draft_costs import DraftCosts
 from vllm_mlx_mtp_routing.text_engine.spec.draft_policy import DraftPolicy
-from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from support.draft_hook import HookedProposer, hooked_decode
-from vllm_mlx_mtp_routing.model.backbone import _recurrence_with_states
-from vllm_mlx_mtp_routing.text_engine.spec.acceptance import speculative_row
-from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 PREFILL = 16
 LENGTHS = [1, 5, 17, 40]  # a one-token prompt (no head pair at its first step), chunked prompts

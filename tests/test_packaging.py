@@ -50,7 +50,8 @@ def test_wheel_has_bootstrap_at_root_and_entry_point(built: tuple[Path, Path]) -
     assert support  # the check below means something
     shipped = [n for n in names if {"testing", "support", "tests"} & set(n.split("/")[:-1]) or n.rsplit("/", 1)[-1] in support]
     assert not shipped, f"test support in the wheel: {shipped}"
-    members = tarfile.open(sdist).getnames()
+    with tarfile.open(sdist) as tar:
+        members = tar.getnames()
     assert any(m.endswith("/vllm_mlx_mtp_routing/plugin.py") for m in members)
     assert any(m.endswith("/README.md") for m in members)
 

@@ -215,7 +215,9 @@ def serve_patched(
 
 
 @pytest.fixture(scope="module")
-def patched_server(patched_host: Path, forks: launcher.Launcher | None, refuser_dir: Path, tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def patched_server(
+    patched_host: Path, forks: launcher.Launcher | None, refuser_dir: Path, tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     flags = ("--plugins", "mtp-routing,refuser", "--continuous-batching", "--mllm", "--api-key", API_KEY)
     with serve_patched(patched_host, forks, tiny_vlm_bf16, *flags, extra=refuser_dir, log_dir=tmp_path_factory.mktemp("logs")) as server:
         yield server

@@ -8,10 +8,10 @@ import logging
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import MIN_CHUNK, ChunkGrid, PrefillBudget, calibrate
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
 def _run(model, tok, *, time_s, step_size=256):

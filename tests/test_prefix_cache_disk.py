@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from scheduling import run_schedule
+from vllm_mlx_mtp_routing.model.weights_fingerprint import fingerprint
 from vllm_mlx_mtp_routing.plugin_api.errors import FlagError
 from vllm_mlx_mtp_routing.prefix_cache import settings
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.prefix_cache.disk_tier import DiskTier
-from vllm_mlx_mtp_routing.model.weights_fingerprint import fingerprint
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
 MB = 1 << 20

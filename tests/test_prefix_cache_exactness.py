@@ -7,15 +7,14 @@ hit (its drafts after a hit equal its drafts without one).
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 
 from scheduling import run_schedule
+from support.draft_hook import hooked_decode
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from support.draft_hook import hooked_decode
 
 PREFILL = 16  # prompts span several chunks; snapshot positions fall inside chunks
 MB = 1 << 20

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from test_bridge_cli import make_plugin, run_cli
 
 from support.server import serve
-
-from test_bridge_cli import make_plugin, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ import mlx.core as mx
 import pytest
 
 from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet, gated_delta_layer
-from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, GatedDeltaNet
 from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
 from vllm_mlx_mtp_routing.model.kernels.swaps import use_fused_recurrence
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, GatedDeltaNet
 
 
 def _linear_layer(bundle):

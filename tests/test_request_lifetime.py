@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.host import asgi
 from vllm_mlx_mtp_routing.host.middleware import PluginRequestMiddleware
+from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 
 KEEP: list[Any] = []  # generators parked here are never finalized while the test runs
 

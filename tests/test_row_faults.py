@@ -9,10 +9,10 @@ import pytest
 
 from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
 from vllm_mlx_mtp_routing.routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
 def _drain(sched: BatchScheduler) -> dict[str, list]:
@@ -137,8 +137,8 @@ def test_decorator_writes_are_deliberate() -> None:
 
 
 def test_undecodable_inline_images_are_400() -> None:
-    from vllm_mlx_mtp_routing.routing.request_validation import validate_inline_images
     from support.server import png_data_url
+    from vllm_mlx_mtp_routing.routing.request_validation import validate_inline_images
 
     good = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url((1, 2, 3))}}]}
     validate_inline_images([good])

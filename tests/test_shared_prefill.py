@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.shared_prefill import SharedPrefill
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 PREFILL = 16
 PROMPT = np.random.default_rng(7).integers(10, 3000, size=37).tolist()

@@ -10,9 +10,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
 from vllm_mlx_mtp_routing.model.kernels.skinny_matmul import MAX_FEATURES, SkinnyLinear, supported
 from vllm_mlx_mtp_routing.model.kernels.swaps import use_skinny_matmul
-from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
 
 
 @pytest.mark.skipif(on_cuda(), reason="the CPU fallback; the kernel is checked on the GPU")

@@ -16,12 +16,11 @@ from vllm_mlx_mtp_routing.model.mlx_lm_internals import KVCache
 from vllm_mlx_mtp_routing.specprefill import RequestChoice, SpecPrefill, SpecPrefillSettings, prefill_sparse
 from vllm_mlx_mtp_routing.specprefill.scoring import select_chunks
 from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill, positioned_forward
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from vllm_mlx_mtp_routing.text_engine.state import PrefillState
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import PrefillState, TextRequest
 
 OPTS = SamplingOptions(max_tokens=10)
 PROMPT = mx.random.randint(10, 3000, (260,), key=mx.random.key(1)).tolist()
@@ -111,7 +110,8 @@ def test_keeping_every_token_is_the_dense_prefill(tiny, mtp):
     assert out.token_ids == dense.token_ids
     if mtp:  # the head's cache is the dense one too: the same drafts are made and accepted
         assert out.mtp_drafted > 0 and (out.mtp_drafted, out.mtp_accepted) == (dense.mtp_drafted, dense.mtp_accepted)
-        assert mx.allclose(state.head[0].keys[..., : state.head[0].offset, :], _dense_head(bundle, PROMPT)[0].keys[..., : state.head[0].offset, :], atol=1e-5)
+        n = state.head[0].offset
+        assert mx.allclose(state.head[0].keys[..., :n, :], _dense_head(bundle, PROMPT)[0].keys[..., :n, :], atol=1e-5)
 
 
 def test_opt_out_and_threshold_stay_dense_forced_and_long_go_sparse(tiny, draft):

@@ -27,8 +27,8 @@ def test_draft_shape_trains_assembles_and_scores(tmp_path: Path) -> None:
     is trained or written, and the checkpoint loads with mlx_lm and is accepted by SpecPrefill's scoring."""
     from mlx_lm import load
 
-    from vllm_mlx_mtp_routing.specprefill import score_tokens
     from support.tiny_model import build_tiny_qwen35_vlm
+    from vllm_mlx_mtp_routing.specprefill import score_tokens
 
     shape = {**T.DRAFT_SHAPE, "hidden_size": 32, "intermediate_size": 64, "head_dim": 16, "linear_head_dim": 16}
     data = tmp_path / "data"
@@ -89,7 +89,9 @@ def test_call_sites_need_the_early_definition() -> None:
     assert Q.task_scores(s, s.lead + "helper(x1, x2)\n") == {"name": True, "call": True}
     assert Q.task_scores(s, s.lead + "helper(x2)") == {"name": True, "call": False}
     assert Q.task_scores(s, s.lead + "helpers(x1)") == {"name": False, "call": False}
-    attr = "class A:\n    def helper(self):\n        return 1\n\n" + filler.replace("x", "    x") + "    def run(self):\n        return self.helper()\n"
+    attr = (
+        "class A:\n    def helper(self):\n        return 1\n\n" + filler.replace("x", "    x") + "    def run(self):\n        return self.helper()\n"
+    )
     (a_site,) = Q.file_call_sites(attr, "m.py", tok, min_distance=200, recent=100, min_prompt=300, max_prompt=4000)
     assert Q.task_scores(a_site, a_site.lead + "helper()\n") == {"name": True, "call": True}
     # named again inside the recent window: the early context is not needed, no site

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import openai
 import pytest

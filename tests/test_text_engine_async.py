@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.engine import TextEngine, TextEngineError
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 POISON_PREFILL = 3999  # a prompt holding this token fails in prefill

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.batch_cache import RaggedKVCache
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
@@ -90,8 +90,8 @@ def test_long_row_beside_short_rows_holds_its_own_length(two_layers):
 
 
 def _kv(n, seed, H=2, D=8):
-    from mlx_lm.models.cache import KVCache
     import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
 
     c = KVCache()
     k = mx.random.normal((1, H, n, D), key=mx.random.key(seed))

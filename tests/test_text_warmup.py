@@ -9,12 +9,12 @@ import pytest
 
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.specprefill import SpecPrefill, SpecPrefillSettings
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
-from vllm_mlx_mtp_routing.text_engine.engine import TextEngine
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 from vllm_mlx_mtp_routing.text_engine import warmup
+from vllm_mlx_mtp_routing.text_engine.engine import TextEngine
 from vllm_mlx_mtp_routing.text_engine.runner import ModelRunner
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 
 class Recording(MTPDecode):

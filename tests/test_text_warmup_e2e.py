@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_bridge_cli import run_cli
 
 from support.server import serve
-from test_bridge_cli import run_cli
 
 pytestmark = pytest.mark.server
 

@@ -11,8 +11,8 @@ import pytest
 from jinja2.exceptions import TemplateError
 
 from support import tiny_model
-from support.tokenizer_builder import SPECIAL_TOKENS, tokenizer_info
 from support.tiny_model import build_tiny_qwen35_vlm
+from support.tokenizer_builder import SPECIAL_TOKENS, tokenizer_info
 
 SYSTEM_LATE = [
     {"role": "system", "content": "Be brief."},

@@ -3,8 +3,8 @@
 mlx-lm 0.31.3 runs the gated delta rule as a Python loop of one compiled step per token off Metal
 (`gated_delta_ops`), so a training step on MLX's CUDA or CPU backend launches O(T) small kernels
 per layer, forward and backward. Here a sequence is cut into chunks of C tokens; inside a chunk
-the recurrence is solved in closed form (one triangular solve of size C, then matrix products), and only the chunk-to-chunk state update stays sequential: T/C + C steps
-instead of T.
+the recurrence is solved in closed form (one triangular solve of size C, then matrix products),
+and only the chunk-to-chunk state update stays sequential: T/C + C steps instead of T.
 
 Per head, with state S (Dv x Dk), decay g_t, beta_t and unit keys:
     S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T,   y_t = S_t q_t
@@ -17,8 +17,6 @@ Serving keeps mlx-lm's own recurrence; tests/test_training.py checks both agree.
 """
 
 from __future__ import annotations
-
-from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,9 +43,9 @@ def gated_delta_chunked(
     b: mx.array,
     A_log: mx.array,
     dt_bias: mx.array,
-    state: Optional[mx.array] = None,
+    state: mx.array | None = None,
     chunk: int = 16,
-) -> Tuple[mx.array, mx.array]:
+) -> tuple[mx.array, mx.array]:
     """Same inputs and outputs as mlx_lm.models.gated_delta.gated_delta_update (no mask)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]

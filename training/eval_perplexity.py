@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_tiny_qwen35 import heldout_tokens  # noqa: E402
+from eval_tiny_qwen35 import heldout_tokens
 
 
 def perplexity(model, tokens, seq: int, windows: int, batch: int) -> dict:

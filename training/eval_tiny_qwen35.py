@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_qwen35 import is_heldout, stdlib_files  # noqa: E402
+from train_tiny_qwen35 import is_heldout, stdlib_files
 
 
 def heldout_tokens(model_dir: Path, stdlib: Path, limit: int | None = None) -> np.ndarray:

@@ -17,10 +17,12 @@ from typing import Any
 import mlx.core as mx
 
 from . import admission
-from .model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
 from .config import PluginConfig, RoutingSettings, SpecPrefillConfig
-from .plugin_api.hookspecs import ModelInfo
 from .host import engine_access, logprobs_response, specprefill_flags, usage
+from .model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
+from .model.text_model import TextModelBundle, TextModelUnavailable, build_text_model
+from .model.weights_fingerprint import fingerprint
+from .plugin_api.hookspecs import ModelInfo
 from .prefix_cache import settings as prefix_settings
 from .prefix_cache.cache import PrefixCache
 from .prefix_cache.disk_tier import DiskTier
@@ -32,8 +34,6 @@ from .specprefill.scoring import attention_layers
 from .text_engine import calibration_file, warmup
 from .text_engine.engine import TextEngine
 from .text_engine.spec.mtp import MTPDecode
-from .model.text_model import TextModelBundle, TextModelUnavailable, build_text_model
-from .model.weights_fingerprint import fingerprint
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")
 

@@ -18,8 +18,8 @@ from .host import engine_access, specprefill_flags
 from .prefix_cache import settings as prefix_settings
 from .specprefill.settings import SpecPrefillSettings
 from .text_engine import calibration_file, warmup
-from .text_engine.spec.proposer import DEFAULT_PROMPT_PAIRS
 from .text_engine.prefill_budget import DEFAULT_RATIO as DEFAULT_STALL_RATIO
+from .text_engine.spec.proposer import DEFAULT_PROMPT_PAIRS
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from typing import Any
 from . import __version__, config, gc_pauses
 from .assembly import assemble
 from .config import PluginConfig, RoutingSettings
+from .host import engine_access
 from .plugin_api.engine_decorator import find_decorator
 from .plugin_api.hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
-from .host import engine_access
 from .routing import RoutingEngine, request_options
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")

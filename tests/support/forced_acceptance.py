@@ -21,9 +21,9 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_mlx_mtp_routing.model.mtp import MTPHead
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler
 from vllm_mlx_mtp_routing.text_engine.spec.acceptance import accept_rows
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 
 FORCE = 1e4  # far above any logit of a model with normalized hidden states, and exact in bf16
 

@@ -352,7 +352,7 @@ class Launcher:
             self._failed = self._proc.stdout.readline().strip() != b"ready"
             if self._failed:  # slower, not wrong: every run becomes a plain subprocess
                 log = Path(self._dir, "fork-server.log").read_text(errors="replace")
-                warnings.warn(f"the vllm-mlx fork server did not start; plain subprocesses instead:\n{log[-2000:]}")
+                warnings.warn(f"the vllm-mlx fork server did not start; plain subprocesses instead:\n{log[-2000:]}", stacklevel=2)
         return self._proc is not None and not self._failed and self._proc.poll() is None
 
     def can_run(self, cmd: Sequence[str]) -> bool:

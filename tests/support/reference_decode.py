@@ -9,8 +9,9 @@ Its output equals ``greedy_generate`` (mlx-lm's own forward, one token per step)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 

@@ -197,7 +197,7 @@ def _gated_delta(init: _Init, p: str, t: dict) -> dict:
 
 
 def _mlp_and_norms(init: _Init, p: str, t: dict) -> dict:
-    H, I = t["hidden_size"], t["intermediate_size"]
+    H, I = t["hidden_size"], t["intermediate_size"]  # noqa: E741
     return {
         f"{p}.input_layernorm.weight": init.norm(H),
         f"{p}.post_attention_layernorm.weight": init.norm(H),

@@ -180,7 +180,7 @@ CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) -%}
 {%- else -%}
 {{- '<think>\n' -}}
 {%- endif -%}
-{%- endif -%}"""
+{%- endif -%}"""  # noqa: E501 - the chat template, verbatim
 
 
 def default_corpus() -> list[Path]:
@@ -222,8 +222,7 @@ def _corpus_texts(paths: list[Path], max_chars: int) -> Iterator[str]:
 
 
 def _train_bpe(bpe_vocab: int, corpus: list[Path], corpus_bytes: int):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     byte_level = dict(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))

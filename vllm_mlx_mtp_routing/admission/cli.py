@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..plugin_api.errors import FlagError
 from ..flag_types import int_at_least, non_negative, seconds
+from ..plugin_api.errors import FlagError
 from .device_memory import GiB, default_headroom_bytes, device_memory_bytes
 from .policies import POLICIES
 

@@ -32,8 +32,9 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -41,6 +42,9 @@ from ..plugin_api.errors import RequestRejected
 from .memory_model import MemoryModel, Projection
 from .policies import POLICIES, QueuedRequest, sort_key
 from .refusals import BurstLog, DrainRate
+
+if TYPE_CHECKING:
+    from .cli import AdmissionSettings
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ def _gib(n: float) -> str:
 class Ticket:
     """A running request's hold on the controller. `release()` is idempotent and thread-safe."""
 
-    def __init__(self, controller: "AdmissionController", request: QueuedRequest, projection: Projection,
+    def __init__(self, controller: AdmissionController, request: QueuedRequest, projection: Projection,
                  path: str, queue_wait_s: float, admitted_at: float) -> None:
         self._controller = controller
         self.request = request
@@ -165,7 +169,7 @@ class AdmissionController:
         self._burst_log = BurstLog(clock)
 
     @classmethod
-    def from_settings(cls, settings: Any, *, memory_model: MemoryModel | None = None, **kwargs: Any) -> "AdmissionController":
+    def from_settings(cls, settings: AdmissionSettings, *, memory_model: MemoryModel | None = None, **kwargs: Any) -> AdmissionController:
         """Build from `cli.AdmissionSettings`."""
         return cls(
             budget_bytes=settings.budget_bytes,

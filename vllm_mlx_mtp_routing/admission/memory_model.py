@@ -93,7 +93,7 @@ class MemoryModel:
         draft_tokens: int | None = None,
         fused_attention: bool = False,
         delta_scan_block: int | None = None,
-    ) -> "MemoryModel":
+    ) -> MemoryModel:
         """Read a Qwen3.5 (or Qwen3-Next, or plain attention) config.json dict.
 
         `text_config` is used when present (VLM checkpoints), else the top level. The layer layout

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .controller import AdmissionController
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "vllm_mlx_mtp_routing_admission_"
 
 # registry -> the one collector registered in it (re-pointed when called again)
-_registered: "weakref.WeakKeyDictionary[Any, AdmissionCollector]" = weakref.WeakKeyDictionary()
+_registered: weakref.WeakKeyDictionary[Any, AdmissionCollector] = weakref.WeakKeyDictionary()
 
 
 class AdmissionCollector:
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: AdmissionController) -> None:
         self.controller = controller
 
     def describe(self) -> list:
@@ -72,7 +76,7 @@ def host_registry() -> Any | None:
     return None if prom is None else prom["registry"]
 
 
-def register_metrics(controller: Any, registry: Any | None = None) -> AdmissionCollector | None:
+def register_metrics(controller: AdmissionController, registry: Any | None = None) -> AdmissionCollector | None:
     """Expose `controller` in `registry` (default: the host's /metrics registry).
 
     Calling again with the same registry re-points the existing collector instead of registering

@@ -9,8 +9,8 @@ letting it wait forever.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 POLICIES = ("fifo", "shortest-first", "priority")
 

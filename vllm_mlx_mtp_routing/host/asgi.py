@@ -24,8 +24,9 @@ import json
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from ..plugin_api.errors import RequestRejected
 
@@ -59,6 +60,8 @@ class RequestContext:
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
     sibling: Any = None  # a choices.Sibling: this request is one of the n copies of a request
     body_filters: list[Callable[[Message], Message]] = field(default_factory=list)  # amend response bodies on the way out
+    cached_tokens: int | None = None  # set by usage.record
+    logprobs: dict[int, Any] | None = None  # set by logprobs_response.record, per choice index
 
 
 # Requests whose stream showed its response id, by that id: cancel by id finds them here.

@@ -70,10 +70,10 @@ def attach_cli(cli: ModuleType) -> None:
         _prepare_serve(STATE, args)
         return serve_command(args)
 
-    cli.create_parser = create_parser_with_plugins
-    cli.build_parser = create_parser_with_plugins
-    cli.serve_command = serve_command_with_plugins
-    cli._vllm_mlx_plugin_bridge = True
+    cli.create_parser = create_parser_with_plugins  # type: ignore[attr-defined]
+    cli.build_parser = create_parser_with_plugins  # type: ignore[attr-defined]
+    cli.serve_command = serve_command_with_plugins  # type: ignore[attr-defined]
+    cli._vllm_mlx_plugin_bridge = True  # type: ignore[attr-defined]
 
 
 def serve_subparser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from ..plugin_api.engine_decorator import EngineDecorator, innermost
 from ..plugin_api.errors import RequestRejected

@@ -126,7 +126,7 @@ def install() -> None:
         (models.ChatCompletionChunkChoice, _chat_default),
         (models.CompletionChoice, _completion_default),
     ):
-        cls.model_fields["logprobs"] = FieldInfo(annotation=Optional[dict], default_factory=default)
+        cls.model_fields["logprobs"] = FieldInfo(annotation=Optional[dict], default_factory=default)  # noqa: UP045 - a value pydantic reads at run time, left as it was
         cls.model_rebuild(force=True)
     for value in vars(models).values():
         if isinstance(value, type) and issubclass(value, BaseModel) and any(

@@ -14,7 +14,8 @@ no message at all are a 400 that says so.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..plugin_api.errors import RequestRejected
 

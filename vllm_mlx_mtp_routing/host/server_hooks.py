@@ -12,14 +12,15 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..plugin_api.errors import RequestRejected
 from ..plugin_api.hookspecs import EngineContext
 from . import asgi, responses_input
-from .middleware import PluginRequestMiddleware
 from .bridge_state import BridgeState
 from .hooked_engine import HookedEngine
+from .middleware import PluginRequestMiddleware
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
@@ -119,7 +120,7 @@ def _replace_status_route(state: BridgeState, server: Any) -> None:
     from fastapi.routing import APIRoute
 
     app = server.app
-    old = next((r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/v1/status" and "GET" in r.methods), None)
+    old = next((r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/v1/status" and "GET" in (r.methods or ())), None)
     if old is None:
         logger.warning("No /v1/status route found; plugin stats are served on /v1/plugins only")
         return

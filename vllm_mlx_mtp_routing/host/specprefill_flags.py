@@ -124,5 +124,5 @@ def load_draft(engine: Any, draft_path: str) -> Any:
         return draft
     from mlx_lm import load
 
-    model, _ = load(draft_path)
+    model = load(draft_path)[0]
     return model

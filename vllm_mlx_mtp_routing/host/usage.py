@@ -55,10 +55,10 @@ def install() -> None:
     from vllm_mlx.api import anthropic_models, models
 
     models.Usage.model_fields["prompt_tokens_details"] = FieldInfo(
-        annotation=Optional[PromptTokensDetails], default_factory=_openai_details
+        annotation=Optional[PromptTokensDetails], default_factory=_openai_details  # noqa: UP045 - a value pydantic reads at run time, left as it was
     )
     anthropic_models.AnthropicUsage.model_fields["cache_read_input_tokens"] = FieldInfo(
-        annotation=Optional[int], default_factory=_anthropic_cache_read
+        annotation=Optional[int], default_factory=_anthropic_cache_read  # noqa: UP045 - a value pydantic reads at run time, left as it was
     )
     for module, base in ((models, models.Usage), (anthropic_models, anthropic_models.AnthropicUsage)):
         base.model_rebuild(force=True)
@@ -83,7 +83,7 @@ def _count_cache_reads_apart(base: type[BaseModel]) -> None:
         def _reads_apart(self) -> Any:
             reads = getattr(self, "cache_read_input_tokens", None)
             if reads:
-                self.input_tokens = max(0, self.input_tokens - reads)
+                self.input_tokens = max(0, self.input_tokens - reads)  # type: ignore[has-type]
             return self
 
     for module in (server, anthropic_adapter, anthropic_models):

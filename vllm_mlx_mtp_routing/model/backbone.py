@@ -13,15 +13,19 @@ that keeps the first n of S verified tokens takes state n - 1 and the conv windo
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .kernels.causal_conv import conv1d
+from .kernels.device import on_cuda, on_metal
+from .kernels.recurrence import gated_delta_fused
 from .mlx_lm_internals import (
     ArraysCache,
+    GatedDeltaNet,
     attention_cache_index,
     compute_g,
     create_attention_mask,
@@ -29,12 +33,8 @@ from .mlx_lm_internals import (
     gated_delta_kernel,
     gated_delta_step,
     gated_delta_update,
-    GatedDeltaNet,
     ssm_cache_index,
 )
-from .kernels.causal_conv import conv1d
-from .kernels.device import on_cuda, on_metal
-from .kernels.recurrence import gated_delta_fused
 
 
 def lm_head(text_model: Any, h: mx.array) -> mx.array:
@@ -94,7 +94,7 @@ def _recurrence_fused(
     return y, [states[:, t] for t in range(q.shape[1])]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_positions(repeat: int) -> Callable[..., tuple[mx.array, list[mx.array]]]:
     """The gates, the GQA repeat and every position's step as ONE compiled graph (mx.compile
     retraces per shape): elementwise work fuses across positions instead of one compiled step

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,7 +71,7 @@ def read_drafter_folder(path: Path) -> tuple[dict[str, mx.array], bool, str]:
         raise FileNotFoundError(f"no .safetensors in MTP drafter folder {path}")
     raw: dict[str, mx.array] = {}
     for f in files:
-        raw.update(mx.load(str(f)))
+        raw.update(cast("dict[str, mx.array]", mx.load(str(f))))
     hf = [k for k in raw if k.startswith("mtp.")]
     if not hf:
         return raw, False, "mlx-vlm drafter folder (MLX gamma)"

@@ -18,8 +18,9 @@ its offset is the RoPE position: prefill the head over the whole prompt (pairs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,6 +52,7 @@ def forward_with_hidden(
     logits, hidden, _ = backbone_forward(
         text_model, inputs, cache, hidden_state_mode=hidden_state_mode, input_embeddings=input_embeddings
     )
+    assert logits is not None  # logits=True
     return logits, hidden
 
 
@@ -74,7 +76,7 @@ class MTPHead(nn.Module):
         # A plain object, so the backbone's parameters do not become this module's children.
         self._backbone = SimpleNamespace(model=None)
 
-    def bind(self, text_model: TextModel) -> "MTPHead":
+    def bind(self, text_model: TextModel) -> MTPHead:
         """Share the backbone's token embedding and lm_head (never copied)."""
         self._backbone.model = text_model
         return self

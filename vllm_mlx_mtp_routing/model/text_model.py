@@ -37,7 +37,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,9 +52,9 @@ from .checkpoint_layouts import (
     read_config,
     read_drafter_folder,
 )
+from .kernels import swaps
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
-from .kernels import swaps
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def assert_zero_copy(vlm_model: Any, text_model: TextModel) -> int:
     vlm_model may be the VLM or its language_model."""
     lm = vlm_model if hasattr(vlm_model, "model") and not hasattr(vlm_model, "language_model") else None
     source = dict(tree_flatten((lm or _language_model(vlm_model)).parameters()))
-    ours = tree_flatten(text_model.parameters())
+    ours = cast("list[tuple[str, mx.array]]", tree_flatten(text_model.parameters()))
     bad = [name for name, arr in ours if source.get(name) is not arr]
     if bad:
         raise TextModelUnavailable(f"TextModel is not zero-copy: {len(bad)} arrays differ, e.g. {bad[:3]}")
@@ -191,7 +191,7 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _read_dedicated(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
-    tensors, metadata = mx.load(str(path), return_metadata=True)
+    tensors, metadata = cast("tuple[dict[str, mx.array], dict[str, str]]", mx.load(str(path), return_metadata=True))
     picked = {k: v for key, v in tensors.items() if (k := _strip_mtp_prefix(key)) is not None}
     return (picked or tensors), metadata
 
@@ -216,7 +216,7 @@ def _read_main_shards(model_path: Path) -> tuple[dict[str, mx.array], list[dict[
         if not (model_path / shard).exists():
             raise FileNotFoundError(f"MTP shard {shard} listed in the index is missing")
         # Lazy: only the arrays picked here are ever read from the file.
-        tensors, meta = mx.load(str(model_path / shard), return_metadata=True)
+        tensors, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", mx.load(str(model_path / shard), return_metadata=True))
         metadata.append(meta)
         for key in keys or list(tensors):
             if (k := _strip_mtp_prefix(key)) is not None and key in tensors:
@@ -241,7 +241,7 @@ def _decide_norm_shift(
     norms = [v for k, v in weights.items() if is_norm_key(k, v)]
     if not norms:
         return False, "no RMSNorm weights"
-    mean = mx.mean(mx.concatenate([n.astype(mx.float32) for n in norms])).item()
+    mean = cast(float, mx.mean(mx.concatenate([n.astype(mx.float32) for n in norms])).item())
     return mean < 0.5, f"MLX-written, RMSNorm mean {mean:.3f}"
 
 
@@ -326,6 +326,7 @@ def _build_mtp_head(
 ) -> tuple[MTPHead | None, MTPWeights | None, str | None]:
     if text_config.get("mtp_use_dedicated_embeddings"):
         return None, None, "dedicated MTP embeddings are not supported"
+    loaded: MTPWeights | None
     try:
         if drafter is not None or drafter_path is not None:
             loaded, quantization, layers = _host_drafter_weights(drafter, drafter_path)
@@ -388,6 +389,9 @@ def build_text_model(
     gc.collect()  # so collectable garbage freed mid-build does not hide in the measured growth
     before = mx.get_active_memory()
     model, shared = _build_backbone(lm, text_config)
+    head: MTPHead | None
+    loaded: MTPWeights | None
+    reason: str | None
     head, loaded, reason = (None, None, "MTP not enabled")
     if enable_mtp:
         head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
@@ -398,10 +402,11 @@ def build_text_model(
     if swapped.skinny_matmul:
         logger.info("TextModel: %d linear layers run the few-row CUDA matmul at 2-8 rows", swapped.skinny_matmul)
     extra = mx.get_active_memory() - before
-    mtp_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters())) if head else 0
+    mtp_bytes = sum(v.nbytes for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(head.parameters()))) if head else 0
 
     name = model_path.name or str(model_path)
     if head is not None:
+        assert loaded is not None  # a head is built from loaded weights
         logger.info(
             "TextModel built zero-copy from %s: shared %d arrays, MTP head +%.1f MiB "
             "(%d layer(s) from %s, RMSNorm %s: %s)",

@@ -4,7 +4,7 @@ file keys its entries by, so files of one model are never read for another."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -16,7 +16,7 @@ def fingerprint(model: Any) -> str:
     from mlx.utils import tree_flatten
 
     h = hashlib.sha256()
-    params = tree_flatten(model.parameters())
+    params = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     for name, v in params:
         h.update(f"{name}:{v.shape}:{v.dtype};".encode())
     for _, v in params[:: max(1, len(params) // 8)]:

@@ -13,6 +13,7 @@ import pluggy
 from . import hookspecs
 from .plugin_names import ENV_VAR, parse_names, requested_names  # noqa: F401 (re-exported)
 
+
 class PluginError(Exception):
     """A requested plugin cannot be used; the message is meant for the user as is."""
 

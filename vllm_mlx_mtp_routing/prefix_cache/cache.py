@@ -22,11 +22,10 @@ from typing import Any
 
 import mlx.nn as nn
 
+from ..text_engine.state import PrefillState
 from . import snapshot
 from .disk_tier import DiskTier
-from .tree import PrefixTree
-
-from ..text_engine.state import PrefillState
+from .tree import Entry, PrefixTree
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +90,8 @@ class PrefixCache:
         self.hits_by_kind[kind] = self.hits_by_kind.get(kind, 0) + 1
         return Hit(length, state, kind)
 
-    def _from_disk(self, tokens: Sequence[int], on_disk: Any) -> Hit | None:
+    def _from_disk(self, tokens: Sequence[int], on_disk: Entry) -> Hit | None:
+        assert self.disk is not None  # called for a disk hit only
         snap = self.disk.load(on_disk)
         if snap is None:
             return None
@@ -101,15 +101,16 @@ class PrefixCache:
         self.disk_hits += 1
         return self._hit(snap.length, state, on_disk.kind)
 
-    def _whole(self, entry: Any) -> snapshot.Snapshot:
+    def _whole(self, entry: Entry) -> snapshot.Snapshot:
         """An entry's snapshot with its bases folded in (KV from position 0)."""
         if entry.base is None:  # taken without a base: its KV already starts at position 0
             return entry.payload
         state = snapshot.restore([e.payload for e in entry.chain()], self.model.make_cache(), True)
         return snapshot.take(state, None)
 
-    def _spill(self, entry: Any) -> None:
+    def _spill(self, entry: Entry) -> None:
         """The tree is evicting ``entry`` from memory: keep it on disk (if it is not there yet)."""
+        assert self.disk is not None  # the eviction hook is set only with a disk tier
         tokens = self.tree.tokens(entry)
         if self.disk.has(tokens, entry.length):
             return

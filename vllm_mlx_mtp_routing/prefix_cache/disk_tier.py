@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -61,6 +61,7 @@ def _encode(snap: Snapshot) -> tuple[dict[str, mx.array], list[Any]]:
             if part.start != 0:
                 raise ValueError("a disk snapshot holds its KV from position 0")
             if part.keys is not None:
+                assert part.values is not None  # a segment holds keys and values, or neither
                 arrays[f"l{i}.k"], arrays[f"l{i}.v"] = part.keys, part.values
             layout.append(["kv", part.end, part.keys is not None])
         else:
@@ -72,8 +73,10 @@ def _encode(snap: Snapshot) -> tuple[dict[str, mx.array], list[Any]]:
         head = []
         for j, kv in enumerate(snap.head):
             if kv.keys is not None:
+                assert kv.values is not None  # a segment holds keys and values, or neither
                 arrays[f"h{j}.k"], arrays[f"h{j}.v"] = kv.keys, kv.values
             head.append([kv.start, kv.end, kv.keys is not None])
+        assert snap.head_hidden is not None  # a snapshot with the head's segments has its hidden state
         arrays["head_hidden"] = snap.head_hidden
     return arrays, [layout, head]
 
@@ -169,7 +172,7 @@ class DiskTier:
         tic = time.perf_counter()
         path = entry.payload.path
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
+            arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", mx.load(str(path), return_metadata=True))
             snap = _decode(arrays, json.loads(meta["layout"]), json.loads(meta["head"]), entry.length)
             mx.eval(snap.arrays())
         except Exception as e:  # noqa: BLE001 - the request prefills instead

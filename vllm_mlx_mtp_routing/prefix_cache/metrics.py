@@ -4,7 +4,8 @@ read from ``PrefixCache.stats()`` at scrape time, prefixed ``vllm_mlx_mtp_routin
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

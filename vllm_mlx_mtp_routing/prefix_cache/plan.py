@@ -9,11 +9,15 @@ sizes a chunk, ``after_chunk`` after each chunk, ``after_generation`` when the r
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..text_engine.state import PrefillState
 from .cache import PrefixCache
 from .snapshot import from_batch_row
+
+if TYPE_CHECKING:
+    from ..text_engine.batch_cache import BatchCache
+    from ..text_engine.row import Row
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
 
@@ -25,7 +29,7 @@ class SnapshotPlan:
         self._cuts = sorted(positions)
 
     @classmethod
-    def start(cls, cache: PrefixCache | None, seq: Any) -> SnapshotPlan:
+    def start(cls, cache: PrefixCache | None, seq: Row) -> SnapshotPlan:
         """Look the prompt up; a hit becomes the row's ``PrefillState`` (the text engine's insert
         API, validated as ``BatchScheduler.add(restored=...)`` does)."""
         prompt_ids = seq.req.prompt_ids
@@ -55,20 +59,21 @@ class SnapshotPlan:
                 return p
         return end
 
-    def after_chunk(self, seq: Any, n: int) -> None:
+    def after_chunk(self, seq: Row, n: int) -> None:
         if self.cache is None:
             return
         self.cache.count_prefilled(n)
         kind = self.positions.get(seq.prefilled)
         if kind is None:
             return
+        assert seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
         try:
             self.cache.save(seq.req.prompt_ids, kind, seq.prefill)
         except Exception:  # a snapshot is an optimisation: the request goes on without it
             logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
 
     @staticmethod
-    def after_generation(cache: PrefixCache, seq: Any, batch: Any, i: int) -> None:
+    def after_generation(cache: PrefixCache, seq: Row, batch: BatchCache, i: int) -> None:
         """Keep a finished row's state (prompt + generated tokens but the last): the next turn of a
         conversation renders this reply into its prompt. Backbone only: with MTP, a hit on it
         restores no head state and the head skips those positions (only acceptance can suffer)."""

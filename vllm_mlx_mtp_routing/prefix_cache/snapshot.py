@@ -19,7 +19,7 @@ A restore hands the caches new array objects: mlx-lm's ``KVCache`` writes into `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -44,14 +44,14 @@ class KVSegment:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 
 
 def _kv_segment(c: KVCache, start: int) -> KVSegment:
     end = c.offset
     if start > end:
         raise ValueError(f"KV segment start {start} past the cache's {end} tokens")
-    if end == start or c.keys is None:
+    if end == start or c.keys is None or c.values is None:
         return KVSegment(start, end, None, None)
     return KVSegment(start, end, _own(c.keys[..., start:end, :]), _own(c.values[..., start:end, :]))
 
@@ -86,6 +86,8 @@ def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
     if state.position is not None and state.position != length:
         raise ValueError("a sparse prefill's state has no exact prefix snapshot")
     start = 0 if base is None else base.length
+    if state.backbone is None:
+        raise ValueError("no backbone caches to snapshot")
     layers: list[KVSegment | list[mx.array]] = []
     for i, c in enumerate(state.backbone):
         if isinstance(c, KVCache):
@@ -105,7 +107,7 @@ def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
         # The head's segments extend the base's only where the base has them; else from 0.
         starts = [kv.end for kv in base.head] if base is not None and base.head is not None else [0] * len(state.head)
         head = [_kv_segment(c, s) for c, s in zip(state.head, starts)]
-    hidden = _own(state.head_hidden) if head is not None else None
+    hidden = _own(state.head_hidden) if head is not None and state.head_hidden is not None else None
     snap = Snapshot(length, layers, head, hidden)
     mx.eval(snap.arrays())
     return snap
@@ -114,12 +116,13 @@ def take(state: PrefillState, base: Snapshot | None) -> Snapshot:
 def _join_kv(parts: list[KVSegment]) -> KVCache:
     c = KVCache()
     pos = 0
-    keys, values = [], []
+    keys: list[mx.array] = []
+    values: list[mx.array] = []
     for p in parts:
         if p.start != pos:
             raise RuntimeError(f"snapshot chain has a gap at {pos} (next segment starts at {p.start})")
         pos = p.end
-        if p.keys is not None:
+        if p.keys is not None and p.values is not None:
             keys.append(p.keys)
             values.append(p.values)
     if keys:
@@ -132,7 +135,9 @@ def _join_kv(parts: list[KVSegment]) -> KVCache:
 
 def _head_parts(chain: list[Snapshot], j: int) -> list[KVSegment] | None:
     """Head layer j's segments back to position 0 through the chain, or None where it breaks."""
-    parts = [chain[-1].head[j]]
+    head = chain[-1].head
+    assert head is not None  # restore calls this only for a snapshot with the head's segments
+    parts = [head[j]]
     for s in reversed(chain[:-1]):
         if parts[0].start == 0:
             break
@@ -148,15 +153,16 @@ def restore(chain: list[Snapshot], fresh: list[Any], with_head: bool) -> Prefill
     last = chain[-1]
     for i, c in enumerate(fresh):
         if isinstance(c, KVCache):
-            joined = _join_kv([s.layers[i] for s in chain])
+            joined = _join_kv([cast(KVSegment, s.layers[i]) for s in chain])
             c.keys, c.values, c.offset = joined.keys, joined.values, joined.offset
         else:
-            c.cache = [a[...] for a in last.layers[i]]
+            c.cache = [a[...] for a in cast("list[mx.array]", last.layers[i])]
     state = PrefillState(backbone=fresh, prefilled=last.length)
     if with_head and last.head is not None:
         parts = [_head_parts(chain, j) for j in range(len(last.head))]
         if all(p is not None for p in parts):
-            state.head = [_join_kv(p) for p in parts]
+            state.head = [_join_kv(p) for p in parts if p is not None]
+            assert last.head_hidden is not None  # a snapshot with the head's segments has its hidden state
             state.head_hidden = last.head_hidden[...]
     return state
 
@@ -169,6 +175,6 @@ def from_batch_row(layers: list[Any], i: int) -> list[Any]:
             out.append(c.extract(i))
         else:
             a = ArraysCache(size=len(c.cache))
-            a.cache = [_own(x[i : i + 1]) for x in c.cache]
+            a.cache = [_own(x[i : i + 1]) for x in c.cache]  # type: ignore[misc]  # mlx-lm infers list[None]
             out.append(a)
     return out

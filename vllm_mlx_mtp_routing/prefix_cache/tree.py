@@ -57,7 +57,8 @@ class Entry:
 
     def chain(self) -> list[Entry]:
         """This entry and its bases, shortest first: the payloads a restore concatenates."""
-        out, e = [], self
+        out: list[Entry] = []
+        e: Entry | None = self
         while e is not None:
             out.append(e)
             e = e.base
@@ -131,6 +132,7 @@ class PrefixTree:
         if node is None:
             raise ValueError("entry is not in the tree")
         while node is not self._root:
+            assert node is not None  # a node's chain of parents ends at the root
             parts.append(node.edge)
             node = node.parent
         return [t for edge in reversed(parts) for t in edge]
@@ -275,9 +277,11 @@ class PrefixTree:
         """Drop entry-less leaves and merge entry-less single-child nodes into their child."""
         while node is not self._root and node.entry is None and not node.children:
             parent = node.parent
+            assert parent is not None  # not the root
             del parent.children[node.edge[0]]
             node = parent
         if node is not self._root and node.entry is None and len(node.children) == 1:
+            assert node.parent is not None  # not the root
             (child,) = node.children.values()
             child.edge = node.edge + child.edge
             child.parent = node.parent

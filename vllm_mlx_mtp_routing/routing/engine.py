@@ -20,18 +20,13 @@ from typing import Any
 
 from ..admission import AdmissionController, Ticket
 from ..config import RoutingSettings
+from ..host import asgi, engine_access as host, logprobs_response as host_logprobs, output_text as host_output, usage as host_usage
 from ..plugin_api.engine_decorator import EngineDecorator
 from ..plugin_api.errors import RequestRejected
-from ..host import asgi
-from ..host import engine_access as host
-from ..host import logprobs_response as host_logprobs
-from ..host import output_text as host_output
-from ..host import usage as host_usage
 from ..specprefill.settings import RequestChoice
 from ..text_engine.engine import TextEngine
-from ..text_engine.state import TextOutput
 from ..text_engine.row_check import preflight
-from .stop_strings import cut as cut_stop_strings, of as stop_strings_of, result as stop_strings_result
+from ..text_engine.state import TextOutput
 from .fallbacks import FallbackReasons
 from .media import has_media, media_items
 from .normalize import normalize_messages
@@ -40,6 +35,7 @@ from .parts import ServingParts, TextPath
 from .prompt_preparation import Marks, prepare_chat, prepare_raw
 from .request_options import sampling_options, split_plugin_options, text_path_gap
 from .request_validation import fit_to_context
+from .stop_strings import cut as cut_stop_strings, of as stop_strings_of, result as stop_strings_result
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 

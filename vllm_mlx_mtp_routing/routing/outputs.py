@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from ..plugin_api.errors import RequestRejected
 from ..host import engine_access as host
+from ..plugin_api.errors import RequestRejected
 from ..specprefill.pipeline import OUTCOME_REASONS, outcome
 from ..text_engine.state import TextOutput
 

@@ -9,8 +9,8 @@ from typing import Any
 from ..admission import AdmissionController
 from ..model.checkpoint_layouts import MTPUnavailable
 from ..text_engine.engine import TextEngine
-from ..text_engine.spec.mtp import MTPDecode
 from ..text_engine.prefill_budget import PrefillBudget
+from ..text_engine.spec.mtp import MTPDecode
 from .prompt_preparation import PromptPreparer
 
 

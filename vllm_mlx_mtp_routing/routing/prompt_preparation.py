@@ -69,7 +69,9 @@ class PromptPreparer:
         # A request cancelled while waiting leaves the worker to finish and drop the result.
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, self.tokenizer, *args, **kwargs))
 
-    async def chat(self, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool) -> tuple[list[int], Marks]:
+    async def chat(
+        self, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool
+    ) -> tuple[list[int], Marks]:
         return await self._run(prepare_chat, render, messages, positions=positions)
 
     async def raw(self, prompt: str) -> list[int]:

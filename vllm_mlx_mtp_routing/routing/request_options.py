@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..host import engine_access
 from ..plugin_api.errors import RequestRejected
 from ..plugin_api.hookspecs import GenerationRequest
-from ..host import engine_access
 from ..text_engine.sampling import SamplingOptions
 from .request_validation import (
     body_sampling_options,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.nn as nn
 
@@ -24,6 +24,10 @@ from .metrics import SpecPrefillMetrics
 from .scoring import ScoringJob
 from .settings import RequestChoice, SpecPrefillSettings, decide
 from .sparse_prefill import SparsePrefill
+
+if TYPE_CHECKING:
+    from ..text_engine.row import Row
+    from ..text_engine.scheduler import BatchScheduler
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.specprefill")
 
@@ -36,26 +40,30 @@ class SpecPrefill:
         self.settings = settings or SpecPrefillSettings()
         self.metrics = SpecPrefillMetrics()
 
-    def start(self, seq: Any, scheduler: Any) -> SparseJob | None:
+    def start(self, seq: Row, scheduler: BatchScheduler) -> SparseJob | None:
         """The request's sparse job, or None (dense) with the reason counted."""
         choice: RequestChoice = seq.req.specprefill or RequestChoice()
         start = dense_prefix(seq)
         suffix = seq.to_prefill - start
         seq.specprefill_outcome = outcome(choice.enabled, "engaged", suffix)
         if choice.enabled is False:
-            return self._dense(seq, "opted_out")
+            self._dense(seq, "opted_out")
+            return None
         fractions = decide(self.settings, choice, suffix)
         if fractions is None:
-            return self._dense(seq, "below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
+            self._dense(seq, "below_threshold" if suffix <= self.settings.threshold or suffix < 2 else "keep_all")
+            return None
         if seq.to_prefill > self.settings.max_tokens:
             logger.info("SpecPrefill: %s has %d prompt tokens, more than the draft scores (%d): dense prefill",
                         seq.rid, seq.to_prefill + 1, self.settings.max_tokens)
-            return self._dense(seq, "too_long")
+            self._dense(seq, "too_long")
+            return None
         job = SparseJob(self, seq, scheduler, start, *fractions)
         return job if job.active else None
 
-    def _dense(self, seq: Any, reason: str) -> None:
+    def _dense(self, seq: Row, reason: str) -> None:
         self.metrics.skipped(reason)
+        assert seq.specprefill_outcome is not None  # set by start
         seq.specprefill_outcome["reason"] = OUTCOME_REASONS[reason]
 
 
@@ -71,7 +79,7 @@ def outcome(requested: bool | None, reason: str, original_tokens: int = 0, selec
             "original_tokens": original_tokens, "selected_tokens": selected_tokens}
 
 
-def dense_prefix(seq: Any) -> int:
+def dense_prefix(seq: Row) -> int:
     """Where the sparse part of a prompt starts: after a prefix-cache hit, and after the system
     prompt when the cache is to snapshot it (as the host's system-KV cache does, so the next request
     with that system prompt hits it; a snapshot is never taken of a sparse state)."""
@@ -84,7 +92,7 @@ def dense_prefix(seq: Any) -> int:
 class SparseJob:
     """One request's scoring then sparse prefill (see the module docstring)."""
 
-    def __init__(self, owner: SpecPrefill, seq: Any, scheduler: Any, start: int, keep_pct: float, backbone_pct: float) -> None:
+    def __init__(self, owner: SpecPrefill, seq: Row, scheduler: BatchScheduler, start: int, keep_pct: float, backbone_pct: float) -> None:
         self.owner = owner
         self.seq = seq
         self.scheduler = scheduler
@@ -108,12 +116,16 @@ class SparseJob:
         return self.scoring is not None or self.prefill is not None
 
     def next_cost(self) -> int:
-        return self.prefill.next_cost() if self.prefill is not None else self.scoring.next_cost()
+        if self.prefill is not None:
+            return self.prefill.next_cost()
+        assert self.scoring is not None  # active: scoring, then the prefill
+        return self.scoring.next_cost()
 
     def advance(self) -> int:
         """One piece of work; the tokens it ran (0 after a fallback: the request goes on densely)."""
         tic = time.perf_counter()
         if self.prefill is None:
+            assert self.scoring is not None  # active: scoring, then the prefill
             try:
                 n = self.scoring.advance()
             except Exception as exc:
@@ -131,6 +143,7 @@ class SparseJob:
 
     def _begin_prefill(self) -> None:
         seq, sched, scoring = self.seq, self.scheduler, self.scoring
+        assert scoring is not None and scoring.kept is not None  # scoring is done
         if seq.prefill is None:
             seq.prefill = PrefillState()
         state = seq.prefill
@@ -146,6 +159,7 @@ class SparseJob:
 
     def _finish(self) -> None:
         m, seq = self.owner.metrics, self.seq
+        assert self.prefill is not None  # the sparse prefill is done
         scored, kept = seq.to_prefill - self.start, len(self.prefill.kept)
         m.requests += 1
         m.tokens_scored += scored

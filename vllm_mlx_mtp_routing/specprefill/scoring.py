@@ -19,7 +19,7 @@ so the text engine can run them between decode steps of its batch.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,7 +46,7 @@ def prepare_draft(draft: nn.Module) -> nn.Module:
 
 def text_model(draft: nn.Module) -> nn.Module:
     """The draft's language model (an mlx-lm VLM wrapper keeps it under ``language_model``)."""
-    return getattr(draft, "language_model", draft)
+    return cast(nn.Module, getattr(draft, "language_model", draft))
 
 
 def attention_layers(draft: nn.Module) -> list[int]:
@@ -74,7 +74,9 @@ def queries(attn: nn.Module, x: mx.array, offset: int) -> mx.array:
     """The attention's queries for ``x`` ([1, L, hidden], already input-normed) at positions
     offset.. -> [1, Hq, L, D], rotated as the module rotates them."""
     B, L, _ = x.shape
-    Hq, _ = _heads(attn)
+    heads = _heads(attn)
+    assert heads is not None  # attention_layers checked every scored layer
+    Hq, _ = heads
     q = attn.q_proj(x).reshape(B, L, Hq, -1)
     head_dim = getattr(attn, "head_dim", None)
     if head_dim is not None and q.shape[-1] == 2 * head_dim:  # Qwen3.5 / Qwen3-Next: [query | output gate]
@@ -146,6 +148,7 @@ def importance(draft: nn.Module, cache: list[Any], qs: list[mx.array], layers: l
         s = mx.softmax(mx.where(visible, s, -mx.inf), axis=-1)[..., :scored]
         s = _avg_pool(s.reshape(Hq, A, scored), kernel).max(axis=0)  # [A, scored]: max over heads
         best = s if best is None else mx.maximum(best, s)  # max over layers
+    assert best is not None  # at least one attention layer (attention_layers)
     return best.mean(axis=0)
 
 
@@ -189,7 +192,7 @@ class ScoringJob:
         self.settings = settings
         self.chunk_tokens = max(1, chunk_tokens)
         self.layers = attention_layers(prepare_draft(draft))
-        self.cache = make_prompt_cache(draft)
+        self.cache: list[Any] | None = make_prompt_cache(draft)
         self.prefilled = 0  # draft tokens in self.cache
         self.kept: list[int] | None = None
 
@@ -210,6 +213,7 @@ class ScoringJob:
     def advance(self) -> int:
         """One piece: a draft prefill chunk, or the look-ahead and the selection; tokens fed."""
         n = self.next_cost()
+        assert self.cache is not None  # advanced only until done
         if self.prefilled < self.to_prefill:
             chunk = mx.array(self.prompt_ids[self.prefilled : self.prefilled + n], dtype=mx.uint32)[None]
             self.draft(chunk, cache=self.cache)
@@ -233,4 +237,5 @@ def score_tokens(draft: nn.Module, prompt_ids: list[int], keep_pct: float, *, st
     job = ScoringJob(draft, list(prompt_ids), start, keep_pct, backbone_pct, settings or SpecPrefillSettings(), chunk_tokens)
     while not job.done:
         job.advance()
+    assert job.kept is not None
     return job.kept

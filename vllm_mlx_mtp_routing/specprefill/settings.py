@@ -59,7 +59,7 @@ class RequestChoice:
             raise ValueError(f"specprefill must be a boolean, got {enabled!r}")
         choice = cls(enabled, None if keep is None else float(keep), None if backbone is None else float(backbone))
         if keep is not None or backbone is not None:
-            check_fractions(choice.keep_pct if keep is not None else 1.0, choice.backbone_pct or 0.0)
+            check_fractions(choice.keep_pct if choice.keep_pct is not None else 1.0, choice.backbone_pct or 0.0)
         return choice
 
 

@@ -111,15 +111,18 @@ class SparsePrefill:
         pos = self.kept[self.done_tokens : self.done_tokens + n]
         ids = self.prompt_ids
         state = self.state
+        assert state.backbone is not None  # made in __init__
         positions = mx.array(pos, dtype=mx.int32)
         hidden = positioned_forward(self.model, mx.array([ids[p] for p in pos], dtype=mx.uint32)[None], positions,
                                     state.backbone, self.hidden_state_mode)
         arrays = [c.state for c in state.backbone]
         if self.head is not None:
             if self._head_on:
+                assert state.head is not None  # made in __init__ when the head is on
                 # (hidden_p, token_p+1) at p for the pending pair and every position here but the last.
                 hs, at = [hidden[:, :-1]], pos[:-1]
                 if self._pending_at is not None:
+                    assert state.head_hidden is not None  # the pending pair's hidden state
                     hs.insert(0, state.head_hidden)
                     at = [self._pending_at, *at]
                 if at:

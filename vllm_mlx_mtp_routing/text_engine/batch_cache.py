@@ -15,16 +15,20 @@ single-sequence generation does. Rows are joined and dropped here by concatenati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from ..model.backbone import Captured, rollback_rows, zero_state
-from ..model.mlx_lm_internals import ArraysCache, BaseCache, KVCache
 from ..model.kernels.device import on_cuda, on_gpu
 from ..model.kernels.kv_gather import gather_rows
+from ..model.mlx_lm_internals import ArraysCache, BaseCache, KVCache
 from .length_groups import plan_groups
+
+T = TypeVar("T")
 
 
 def _round_up(n: int, step: int) -> int:
@@ -68,7 +72,7 @@ class StepArrays:
     def __init__(self) -> None:
         self._memo: dict[tuple, tuple] = {}
 
-    def get(self, key: tuple, make: Any, *sources: mx.array) -> mx.array:
+    def get(self, key: tuple, make: Callable[[], T], *sources: mx.array) -> T:
         hit = self._memo.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[1], sources)):
             return hit[0]
@@ -158,25 +162,25 @@ class RaggedKVCache(BaseCache):
     @property
     def keys(self) -> mx.array | None:
         """The rows' keys as one dense [B, H, capacity, Dk] array (a copy; for inspection)."""
-        return None if self._pool_k is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[0]
+        return None if self._pool_k is None or self._pool_v is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[0]
 
     @property
     def values(self) -> mx.array | None:
-        return None if self._pool_v is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[1]
+        return None if self._pool_k is None or self._pool_v is None else gather_rows(self._pool_k, self._pool_v, self._positions(self.capacity))[1]
 
-    @property
+    @property  # type: ignore[misc]  # read-only: mlx-lm's has a setter
     def state(self):
         return self._pool_k, self._pool_v, self.offset
 
     @property
     def nbytes(self) -> int:
         """Bytes held (the pool, free blocks included)."""
-        return 0 if self._pool_k is None else self._pool_k.nbytes + self._pool_v.nbytes
+        return 0 if self._pool_k is None or self._pool_v is None else self._pool_k.nbytes + self._pool_v.nbytes
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the blocks the rows own."""
-        if self._pool_k is None:
+        if self._pool_k is None or self._pool_v is None:
             return 0
         per_slot = (self._pool_k.nbytes + self._pool_v.nbytes) // self._pool_k.shape[1]
         return per_slot * self.block * sum(len(t) for t in self._tables)
@@ -240,7 +244,7 @@ class RaggedKVCache(BaseCache):
             add += -(have + add - 1) % (self.step // self.block)
         new_k = mx.zeros((H, add * self.block, Dk), dtype)
         new_v = mx.zeros((H, add * self.block, Dv), dtype)
-        if self._pool_k is None:
+        if self._pool_k is None or self._pool_v is None:
             self._pool_k, self._pool_v = new_k, new_v
         else:
             self._pool_k = mx.concatenate([self._pool_k, new_k], axis=1)
@@ -287,6 +291,7 @@ class RaggedKVCache(BaseCache):
             ("zero", *blocks),
             lambda: (mx.array(blocks, dtype=mx.int32)[:, None] * self.block + mx.arange(self.block)).reshape(-1),
         )
+        assert self._pool_k is not None and self._pool_v is not None  # blocks were just reserved
         H, _, Dk = self._pool_k.shape
         self._pool_k[:, idx] = mx.zeros((H, idx.size, Dk), self._pool_k.dtype)
         self._pool_v[:, idx] = mx.zeros((H, idx.size, self._pool_v.shape[2]), self._pool_v.dtype)
@@ -294,7 +299,7 @@ class RaggedKVCache(BaseCache):
     def _compact(self, force: bool = False) -> None:
         """Give free blocks back when they are more than an eighth of the pool (what admission
         counts as the pool's slack), or when ``force``d."""
-        if self._pool_k is None:
+        if self._pool_k is None or self._pool_v is None:
             return
         used = sum(len(t) for t in self._tables)
         total = self._pool_k.shape[1] // self.block - 1
@@ -337,6 +342,7 @@ class RaggedKVCache(BaseCache):
         # put_along_axis (MLX's axis scatter) rather than an indexed assignment (its general scatter): on CUDA the
         # general one is the slower of the two at these sizes, paid per layer and step. A decode step's
         # [H, B, 1, D] -> [H, B, D] is a view; a verify's [H, B * S, D] a small copy.
+        assert self._pool_k is not None and self._pool_v is not None  # reserved above
         self._pool_k = mx.put_along_axis(self._pool_k, idx, keys.transpose(1, 0, 2, 3).reshape(H, B * S, Dk), axis=1)
         self._pool_v = mx.put_along_axis(
             self._pool_v, idx, values.transpose(1, 0, 2, 3).reshape(H, B * S, values.shape[3]), axis=1
@@ -346,12 +352,14 @@ class RaggedKVCache(BaseCache):
 
     def _read(self, n: int) -> tuple[mx.array, mx.array]:
         """The rows' keys and values at positions 0..n-1, as attention reads them."""
+        assert self._pool_k is not None and self._pool_v is not None  # read after a write
         return self._slice(self._run, n) or self._gather(self._pool_k, self._pool_v, self._positions(n))
 
     def _slice(self, run: int | None, n: int) -> tuple[mx.array, mx.array] | None:
         """One row's positions 0..n-1 as a view of the pool, where its blocks are one run. Positions
         past the row's blocks read whatever the pool holds there: finite (zeros or keys of rows
         gone), and masked."""
+        assert self._pool_k is not None and self._pool_v is not None  # read after a write
         if not self.slice_single_run or run is None or run + n > self._pool_k.shape[1]:
             return None
         return self._pool_k[None, :, run : run + n], self._pool_v[None, :, run : run + n]
@@ -375,6 +383,7 @@ class RaggedKVCache(BaseCache):
             return view
         idx = self._positions(group.span)
         rows = self._shared.get(("rows", id(idx), id(group.index)), lambda: idx[group.index], idx, group.index)
+        assert self._pool_k is not None and self._pool_v is not None  # read after a write
         return self._gather(self._pool_k, self._pool_v, rows)
 
     # -- rows -----------------------------------------------------------------------------------
@@ -420,12 +429,14 @@ class RaggedKVCache(BaseCache):
         self._tables.append([])
         self._set_lengths(self._lengths + [0], self._shift + [shift])
         if n:
+            assert cache.keys is not None and cache.values is not None  # n > 0: the cache holds keys
             k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
             _, H, _, Dk = k.shape
             self._reserve([0] * (self.batch_size - 1) + [n], H, Dk, v.shape[3], k.dtype)
             blocks = mx.array(self._tables[-1], dtype=mx.int32)
             idx = (blocks[:, None] * self.block + mx.arange(self.block)).reshape(-1)
             pad = [(0, 0), (0, 0), (0, idx.size - n), (0, 0)]  # the last block's tail: zeros
+            assert self._pool_k is not None and self._pool_v is not None  # reserved above
             self._pool_k[:, idx] = mx.pad(k, pad)[0]
             self._pool_v[:, idx] = mx.pad(v, pad)[0]
             self._set_lengths(self._lengths[:-1] + [n])
@@ -438,7 +449,7 @@ class RaggedKVCache(BaseCache):
             raise ValueError("a row with skipped positions has no single-sequence form")
         c = KVCache()
         n = self._lengths[i]
-        if self._pool_k is not None and n:
+        if self._pool_k is not None and self._pool_v is not None and n:
             pos = mx.arange(n, dtype=mx.int32)
             blk = mx.array(self._tables[i], dtype=mx.int32)[pos // self.block]
             idx = blk * self.block + pos % self.block

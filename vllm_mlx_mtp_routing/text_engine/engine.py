@@ -18,15 +18,15 @@ from typing import Any
 import mlx.nn as nn
 
 from ..admission.memory_model import MemoryModel
-from . import warmup
 from ..prefix_cache.cache import PrefixCache
 from ..specprefill.pipeline import SpecPrefill
 from ..specprefill.settings import RequestChoice
+from . import warmup
+from .sampling import SamplingOptions
 from .scheduler import BatchScheduler
+from .shared_prefill import SharedPrefill
 from .spec.mtp import MTPDecode
 from .state import TextOutput, TextRequest
-from .sampling import SamplingOptions
-from .shared_prefill import SharedPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class TextEngine:
             TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined, share=share, specprefill=specprefill)
         )
         self._queues[rid] = asyncio.Queue()
+        assert self._wakeup is not None  # made by start
         self._wakeup.set()
         return rid
 
@@ -147,6 +148,7 @@ class TextEngine:
         last = None
         async for out in self.stream(rid):
             last = out
+        assert last is not None  # a stream ends with the request's final output
         return last
 
     async def abort(self, request_id: str) -> bool:
@@ -201,6 +203,7 @@ class TextEngine:
     async def _loop(self) -> None:
         while True:
             if not self.scheduler.has_work():
+                assert self._wakeup is not None  # made by start, before this task
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue

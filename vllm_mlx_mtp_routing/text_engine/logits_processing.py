@@ -20,8 +20,9 @@ import copy
 import enum
 import types
 from collections import deque
+from collections.abc import Sequence, Set
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +34,7 @@ class RowLogits:
     """A row's logits processing; ``generated`` is the row's own list of generated tokens (shared, not copied)."""
 
     def __init__(
-        self, options: SamplingOptions, prompt_ids: list[int], generated: list[int], stop_ids: set[int] = frozenset()
+        self, options: SamplingOptions, prompt_ids: list[int], generated: list[int], stop_ids: Set[int] = frozenset()
     ) -> None:
         self.max_tokens = options.max_tokens
         self.stop_ids = stop_ids
@@ -46,7 +47,7 @@ class RowLogits:
 
     @staticmethod
     def for_row(
-        options: SamplingOptions, prompt_ids: list[int], generated: list[int], stop_ids: set[int] = frozenset()
+        options: SamplingOptions, prompt_ids: list[int], generated: list[int], stop_ids: Set[int] = frozenset()
     ) -> RowLogits | None:
         """None when the row's logits go to sampling untouched."""
         if options.logits_processors or options.presence_penalty or options.frequency_penalty or options.repetition_penalty != 1.0:
@@ -64,7 +65,7 @@ class RowLogits:
         there, as plain decoding would (a stop string is found later, by the scheduler)."""
         return token in self.stop_ids or len(self.generated) + emitted >= self.max_tokens
 
-    def __call__(self, logits: mx.array, drafts: list[int] = ()) -> mx.array:
+    def __call__(self, logits: mx.array, drafts: Sequence[int] = ()) -> mx.array:
         """Processed logits [V] for the position after ``generated + drafts``."""
         context = self.generated + list(drafts) if drafts else self.generated
         x = logits.astype(mx.float32)[None]
@@ -92,7 +93,7 @@ def steer_drafts(logits: mx.array, samplers: list[Any], drafting: list[bool], dr
     rows = [i for i, (s, d) in enumerate(zip(samplers, drafting)) if d and s.logits is not None and s.logits.pure]
     if not rows:
         return logits
-    before = mx.stack(drafts, axis=1).tolist() if drafts else [[] for _ in samplers]
+    before = cast("list[list[int]]", mx.stack(drafts, axis=1).tolist()) if drafts else [[] for _ in samplers]
     steered = [samplers[i].logits(logits[i], before[i]) if i in rows else logits[i] for i in range(len(samplers))]
     return mx.stack(steered).astype(logits.dtype)
 

@@ -4,6 +4,7 @@ temperature or filtering: what vLLM reports by default and what a direct forward
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 
@@ -30,8 +31,12 @@ def _lazy(logits: mx.array, tokens: list[int], top: int) -> tuple[mx.array, ...]
 
 
 def _entries(tokens: list[int], arrays: tuple[mx.array, ...]) -> list[TokenLogprob]:
-    chosen = arrays[0].tolist()
-    pairs = [list(zip(b, v)) for b, v in zip(arrays[1].tolist(), arrays[2].tolist())] if len(arrays) > 1 else [[] for _ in tokens]
+    chosen = cast("list[float]", arrays[0].tolist())
+    if len(arrays) > 1:
+        ids, lps = cast("list[list[int]]", arrays[1].tolist()), cast("list[list[float]]", arrays[2].tolist())
+        pairs = [list(zip(b, v)) for b, v in zip(ids, lps)]
+    else:
+        pairs = [[] for _ in tokens]
     return [TokenLogprob(t, v, p) for t, v, p in zip(tokens, chosen, pairs)]
 
 

@@ -224,8 +224,8 @@ def _attention_cost(model: nn.Module, forward: Any, ids: mx.array, tokens: int, 
         return 0.0, 0
 
     def chunk() -> None:
-        forward(cache, ids[:, :tokens])
-        for c in layers:
+        forward(cache, ids[:, :tokens])  # noqa: F821 - the `del` below runs after the last call
+        for c in layers:  # noqa: F821
             c.trim(tokens)  # back to the probe's depth (the gated-delta state moves on: its cost does not)
 
     depth = PROBE_DEPTH_MIN

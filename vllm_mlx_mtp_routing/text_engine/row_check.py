@@ -13,8 +13,8 @@ import logging
 
 import mlx.core as mx
 
-from .state import TextOutput
 from .sampling import RowSampler, SamplingOptions
+from .state import TextOutput
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,6 +30,7 @@ from .row import Row
 from .sampling import sample_rows
 from .spec import verify
 from .spec.mtp import MTPDecode
+from .spec.mtp_rows import MTPRowState
 from .spec.proposer import MTPProposer
 from .state import PrefillState
 from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillDone, PrefillWork
@@ -37,6 +39,7 @@ from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillDone, Pref
 def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.array, state: PrefillState) -> None:
     """One prefill chunk ([1, n]) on a request's own caches (``state.backbone``; with MTP the head's pairs too),
     from ``state.prefilled`` on, which it advances."""
+    assert state.backbone is not None  # ModelRunner.prefill_state makes it
     if proposer is None or not proposer.wants_prefill_hidden(state, state.prefilled + tokens.shape[1]):
         # mlx-lm's own forward: nothing reads the last layer's output, so it is never computed.
         model(tokens, cache=state.backbone)
@@ -130,7 +133,7 @@ class ModelRunner:
             logits = self.model(x, cache=self.cache.layers)[:, -1, :]
             sampled = sample_rows(logits, samplers)
             mx.eval(sampled, self.cache.state())
-            tokens = [[t] for t in sampled.tolist()]
+            tokens = [[t] for t in cast("list[int]", sampled.tolist())]
             return DecodeResult(tokens, logprobs=row_logprobs(logits[:, None], tokens, samplers))
         return self._speculative(plan, rows, samplers, x)
 
@@ -138,7 +141,7 @@ class ModelRunner:
         spec = self.spec
         assert spec is not None
         k, drafting = plan.draft_tokens, plan.drafting
-        states = [r.spec for r in rows]
+        states = cast("list[MTPRowState]", [r.spec for r in rows])  # every row joined with one (``join``)
         proposal = spec.proposer.propose(k, states, self.batch.head, drafting, samplers) if k else None
         drafts = proposal.drafts if proposal is not None else None
         logits, hidden, captured = verify.forward(

@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+if TYPE_CHECKING:
+    from .logits_processing import RowLogits
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
@@ -72,7 +74,7 @@ class RowSampler:
         self._seed = options.seed if options.seed is not None else random.getrandbits(63)
         self._key: mx.array | None = None  # built at first use, on the thread that steps
         self.fault: BaseException | None = None  # a sampling fault of this row alone (see row_check)
-        self.logits: Any = None  # the row's logits_processing.RowLogits, None when its logits go in untouched
+        self.logits: RowLogits | None = None  # the row's logits_processing.RowLogits, None when its logits go in untouched
 
     def next_key(self) -> mx.array:
         if self._key is None:

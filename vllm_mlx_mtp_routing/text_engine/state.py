@@ -6,8 +6,9 @@ each of them can import it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
@@ -15,15 +16,19 @@ from ..model.mlx_lm_internals import KVCache
 from .logprobs import TokenLogprob
 from .sampling import SamplingOptions
 
+if TYPE_CHECKING:
+    from ..specprefill.settings import RequestChoice
+    from .row import Row
+
 
 class PrefillSharing(Protocol):
     """The n rows of one request prefilled once (``shared_prefill.SharedPrefill``), as the scheduler sees it."""
 
-    def ready(self, row: Any, model: Any, with_head: bool) -> bool: ...
+    def ready(self, row: Row, model: Any, with_head: bool) -> bool: ...
 
-    def joined(self, row: Any, state: PrefillState) -> None: ...
+    def joined(self, row: Row, state: PrefillState) -> None: ...
 
-    def left(self, row: Any) -> None: ...
+    def left(self, row: Row) -> None: ...
 
 
 @dataclass
@@ -39,7 +44,7 @@ class TextRequest:
     # One of the n rows of a request (OpenAI ``n``): the rows prefill once (shared_prefill.py).
     share: PrefillSharing | None = None
     # The request's own SpecPrefill fields (a ``specprefill.settings.RequestChoice``; None: the server's).
-    specprefill: Any = None
+    specprefill: RequestChoice | None = None
 
 
 

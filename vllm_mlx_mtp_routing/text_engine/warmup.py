@@ -20,17 +20,18 @@ greedy, a fixed seed (no draw from the process's random state), no stop token.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 
 from ..model.kernels.device import on_cuda
+from .sampling import SamplingOptions
 from .scheduler import BatchScheduler
 from .spec.draft_policy import DraftPolicy
 from .spec.mtp import MTPDecode
 from .state import TextRequest
-from .sampling import SamplingOptions
 
 # The few-row matmul has a kernel per row count in 2..8 (skinny_matmul.MAX_ROWS), past which a step runs MLX's
 # general kernels: the warm-up covers every row count that has a kernel of its own.
@@ -95,7 +96,7 @@ def run(scheduler: BatchScheduler, batch_sizes: Sequence[int]) -> Warmup:
         verified, seconds, snapshots = _rehearse(scheduler, decode, policy, sizes)
     finally:
         mx.clear_cache()  # the rehearsal's buffers, released with it, go back to the device
-    return Warmup(sizes, decode.k if policy is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds,
+    return Warmup(sizes, decode.k if policy is not None and decode is not None else 0, verified, round(time.perf_counter() - tic, 3), seconds,
                   *snapshots)
 
 

@@ -10,8 +10,8 @@ kernel is compiled once per dtype and kernel size.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any
+from functools import cache
+from typing import Any, TypeGuard
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,12 +37,12 @@ _SOURCE = """
 THREADS = 256
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(name="depthwise_causal_conv", input_names=["x", "w"], output_names=["y"], source=_SOURCE)
 
 
-def supported(conv: nn.Module, x: mx.array) -> bool:
+def supported(conv: nn.Module, x: mx.array) -> TypeGuard[nn.Conv1d]:
     """Whether ``conv(x)`` runs the kernel here: a CUDA device, a depthwise ``nn.Conv1d`` without padding, stride or
     dilation, ``x`` [B, T, C] in the weights' dtype."""
     w = getattr(conv, "weight", None)

@@ -15,8 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..mlx_lm_internals import Attention
 from ...text_engine.batch_cache import RaggedKVCache
+from ..mlx_lm_internals import Attention
 
 
 class GroupedAttention(Attention):

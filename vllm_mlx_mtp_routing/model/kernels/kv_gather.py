@@ -10,7 +10,7 @@ MLX's gather stays.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -39,7 +39,7 @@ _SOURCE = """
 """
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="kv_block_gather", input_names=["keys", "values", "idx"], output_names=["out_keys", "out_values"],

@@ -15,7 +15,7 @@ same recurrence: the exactness the text engine guarantees carries over.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
@@ -82,7 +82,7 @@ _SOURCE = """
 """
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(has_mask: bool):
     inputs = ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if has_mask else [])
     return mx.fast.cuda_kernel(

@@ -16,7 +16,7 @@ depend on the rows beside it; a row alone still runs MLX's GEMV, whose sums diff
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -79,7 +79,7 @@ _SOURCE = """
 """
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(name="skinny_matmul", input_names=["x", "w"], output_names=["y"], source=_SOURCE)
 

@@ -6,10 +6,12 @@ own ``RowSampler`` key stream."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 
-from .processed_acceptance import processed_row
 from ..sampling import RowSampler
+from .processed_acceptance import processed_row
 
 
 def speculative_row(
@@ -59,13 +61,14 @@ def accept_rows(
         if s.greedy or s.logits is not None:  # processed rows are verified position by position below
             continue
         if drafting[i]:
+            assert drafts is not None  # k > 0 when a row drafts
             xp = s.process(logits[i])
             lazy[i] = speculative_row(xp, qs[i], drafts[i], s.next_key(), s.next_key())
         else:
             lazy[i] = (s.sample(logits[i, 0]),)
     mx.eval(targets, drafts if drafts is not None else [], list(lazy.values()))
-    t = targets.tolist()
-    d = drafts.tolist() if drafts is not None else [[] for _ in range(B)]
+    t = cast("list[list[int]]", targets.tolist())
+    d = cast("list[list[int]]", drafts.tolist()) if drafts is not None else [[] for _ in range(B)]
     counts, finals = [], []
     for i, s in enumerate(samplers):
         a = 0
@@ -77,12 +80,12 @@ def accept_rows(
                     a += 1
             final = t[i][a]
         elif drafting[i]:
-            acc, cands = (v.tolist() for v in lazy[i])
+            acc, cands = (cast("list[int]", v.tolist()) for v in lazy[i])
             while a < k and acc[a]:
                 a += 1
             final = cands[a]
         else:
-            final = lazy[i][0].item()
+            final = cast(int, lazy[i][0].item())
         counts.append(a)
         finals.append(final)
     clamped = [dr and samplers[i].logits is None for i, dr in enumerate(drafting)]

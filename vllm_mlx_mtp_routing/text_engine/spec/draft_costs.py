@@ -80,6 +80,8 @@ class DraftCosts:
     def learning_arm(self, batch: int) -> bool | None:
         """While a session runs: whether the bucket's next step should draft; None otherwise."""
         b = self._bucket(batch)
+        if not b.session and not b.ratios:
+            self.refine(batch)  # a session whose every block was cut short measured no ratio: measure again
         if not b.session:
             return None
         b.waited += 1

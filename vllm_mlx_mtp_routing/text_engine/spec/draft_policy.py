@@ -23,11 +23,12 @@ seeded rows too: their output then depends on whether the batch crossed it).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from ..sampling import RowSampler
 from .draft_costs import DraftCosts, bucket_of
 from .mtp_rows import MTPRowState
-from ..sampling import RowSampler
 
 ROW_RATE = 1 / 8  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
 PRIOR_RATE = 1 / 32  # a new row's starting estimate: the recent acceptance of every row
@@ -86,6 +87,7 @@ class DraftPolicy:
             go = arm
         else:
             r = self.costs.ratio(B)
+            assert r is not None  # learning_arm runs a session until the bucket has a ratio
             tokens = sum(1 + self.acceptance(row) for row, d in zip(rows, drafting) if d) + drafting.count(False)
             # Drafting stops only when it clearly loses: a few unlucky rejections must not turn it
             # off, since a plain step measures no acceptance and only a probe could turn it back on.

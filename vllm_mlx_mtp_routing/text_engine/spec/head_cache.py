@@ -23,21 +23,21 @@ class PositionedKVCache(KVCache):
         self._held = KVCache()  # the keys from ``start``, with mlx-lm's own buffer growth
 
     @property
-    def offset(self) -> int:
+    def offset(self) -> int:  # type: ignore[override]  # read-only: KVCache's is an attribute
         return self.start + self._held.offset
 
     @property
-    def keys(self) -> mx.array | None:
+    def keys(self) -> mx.array | None:  # type: ignore[override]  # read-only: KVCache's is an attribute
         return self._held.keys
 
     @property
-    def values(self) -> mx.array | None:
+    def values(self) -> mx.array | None:  # type: ignore[override]  # read-only: KVCache's is an attribute
         return self._held.values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._held.update_and_fetch(keys, values)
 
-    @property
+    @property  # type: ignore[misc]  # read-only: KVCache's has a setter
     def state(self) -> tuple[mx.array, mx.array]:
         return self._held.state
 
