@@ -81,7 +81,8 @@ def prefill_s(n):
     sched.add(TextRequest("w", prompt(1, 64), SamplingOptions(max_tokens=1)))
     while sched.has_work():
         sched.step()
-    sched.add(TextRequest("p", prompt(2, n), SamplingOptions(max_tokens=1)))
+    # max_tokens 2: the row stays in the batch after the step it joins in (at 1 it would leave in that step)
+    sched.add(TextRequest("p", prompt(2, n), SamplingOptions(max_tokens=2)))
     tic = time.perf_counter()
     while not sched.running:
         sched.step()

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU: the adaptive MTP schedule in the engine's staggered trace and through the server, on/off
-# side by side (the plugin with --enable-mtp against the plugin without it), for the adaptive
-# default and for --mtp-schedule always. Staging and the two device calls as in gpu_serve.sh; the
-# second call runs `bash benchmarks/gpu_onoff.sh` with OUT set.
-# Environment: ONOFF_SCHEDULES (default "adaptive always"), ONOFF_TRACE (default 1),
+# GPU: the adaptive MTP schedule through the server, on/off side by side (the plugin with
+# --enable-mtp against the plugin without it), for the adaptive default and for --mtp-schedule
+# always. Staging and the two device calls as in gpu_serve.sh; the second call runs
+# `bash benchmarks/gpu_onoff.sh` with OUT set. (The engine's staggered step trace it also ran,
+# gpu_step_trace.py, was a one-off diagnosis and was removed.)
+# Environment: ONOFF_SCHEDULES (default "adaptive always"),
 # ONOFF_REQS (serve_bench --requests-per-slot, default 3), ONOFF_INTERLEAVE (serve_bench --interleave:
 # both servers up at once, N alternating rounds each; default 0, one server after the other), SITE, OUT.
 set -uo pipefail
@@ -12,10 +13,6 @@ REPO=$PWD SITE=${SITE:-/root/site} PY=${PY:-python3}
 OUT=${OUT:-$REPO/benchmarks/results/gpu_onoff}
 mkdir -p "$OUT"
 . benchmarks/gpu_setup.sh || exit $?
-if [ "${ONOFF_TRACE:-1}" = 1 ]; then
-  timeout -k 5 150 $PY benchmarks/gpu_step_trace.py --batch 8 --max-tokens 128 --staggered \
-      --order plain,mtp,adaptive,plain,mtp,adaptive 2>&1 | tee "$OUT/trace_staggered.txt" | grep -v "^ "
-fi
 for sched in ${ONOFF_SCHEDULES:-adaptive always}; do
   timeout -k 5 220 $PY benchmarks/serve_bench.py --model trained --no-mtp --no-mixed --warmup-all \
       --concurrency 1,2,4,8 --max-tokens 128 --requests-per-slot "${ONOFF_REQS:-3}" --interleave "${ONOFF_INTERLEAVE:-0}" \

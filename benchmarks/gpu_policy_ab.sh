@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU A/B of the draft policy on MLX's CUDA backend: benchmarks/policy_ab.py on the trained tiny model
 # (plain, always, the adaptive cost model kept across rounds and fresh each round, in lockstep),
-# batch 1 / 2 / 4 / 8, 256 new tokens, 7 timed rounds. Staging and the device calls are those of
-# gpu_kv_ab_2b.sh (no base checkout needed); both fit one call:
-#   call 2, carry [.device-b]:  BENCH_COMMIT=<commit> bash benchmarks/gpu_kv_ab_2b.sh; BENCH_COMMIT=<commit> bash benchmarks/gpu_policy_ab.sh
+# batch 1 / 2 / 4 / 8, 256 new tokens, 7 timed rounds. Staging and the two device calls are those of
+# gpu_serve.sh (its header); the second call:
+#   call 2, carry [.device-b]:  BENCH_COMMIT=<commit> bash benchmarks/gpu_policy_ab.sh
 # Environment: POLICY_AB_ARGS (policy_ab.py's arguments; a CPU check of the script:
 #   SITE=/tmp/site PY=.venv/bin/python POLICY_AB_ARGS="--batches 1 --max-tokens 8 --rounds 1" bash benchmarks/gpu_policy_ab.sh
 # with an empty /tmp/site/.gpu_serve_staged), POLICY_AB_TIMEOUT_S (default 170), SITE, PY.

@@ -3,7 +3,7 @@
 
 For each batch size B (default 1, 2, 4, 8), B prompts are prefilled and then decoded greedily by
 the continuous-batching scheduler with
-  plain         SingleTokenDecode, one token per row per step
+  plain         plain decoding (``decode=None``), one token per row per step
   mtp           MTPDecode, per-row acceptance, k drafts, every row drafting every step
   mtp_batchwide MTPDecode with batch-wide all-or-nothing acceptance (the host's scheme)
   mtp_adaptive  MTPDecode choosing 0..k drafts per step by measured throughput, one instance
@@ -11,7 +11,8 @@ the continuous-batching scheduler with
   mtp_adaptive_cold  the same, a fresh instance per run (learning included in the timing)
   plain_control plain again; speedups are against the mean of a round's two plain runs, and
                 plain_control_ratio (one against the other) is the noise floor
-reporting decode tokens/s (decode steps only, prefill excluded), speedup over plain, acceptance,
+reporting decode tokens/s (decode steps only, prefill excluded: the runner's ``decode`` and, with MTP, the
+draft policy's ``plan`` and ``observe`` around it; see ``DecodeTimer``), speedup over plain, acceptance,
 and whether every request's tokens equal the plain run's. Step costs at each B:
   t1  one plain decode step (1 token per row)
   t2  one verify forward (2 tokens per row, gated-delta states captured, rollback)
@@ -22,9 +23,9 @@ batch-1 reference's capture (every gated-delta layer run one token at a time), t
 in-recurrence capture costs.
 
 Model: models/tiny-qwen35-trained (a trained MTP head: real acceptance) when present, else the
-project's tiny random model with FORCED acceptance: a draft hook proposes the target's true next
-token with probability --forced-acceptance (stated in the JSON as acceptance_source). Passing
---forced-acceptance forces it for any model (e.g. the random-weight Qwen3.5-2B shape of
+project's tiny random model with FORCED acceptance: a draft hook (``support.draft_hook``) proposes the
+target's true next token with probability --forced-acceptance (stated in the JSON as acceptance_source).
+Passing --forced-acceptance forces it for any model (e.g. the random-weight Qwen3.5-2B shape of
 make_qwen35_2b.py, whose own head accepts nothing): the hook syncs the drafts to the host each
 step, a cost the head's own drafts do not have, so forced runs understate MTP slightly.
 
@@ -59,20 +60,17 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_lm.models.base import create_attention_mask  # noqa: E402
 
-from vllm_mlx_mtp_routing.model.mtp import lm_head  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
-    DecodeBatch,
-    PrefillState,
-    Row,
-    BatchScheduler,
-    RaggedKVCache,
-    SamplingOptions,
-    TextRequest,
-)
-from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
+from support.draft_hook import hooked_decode  # noqa: E402
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows  # noqa: E402
+from vllm_mlx_mtp_routing.model.mtp import lm_head  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.batch_cache import RaggedKVCache  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.row import Row  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.runner import ModelRunner  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler, SamplingOptions  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.step_plan import PrefillChunk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
@@ -148,35 +146,67 @@ class Oracle:
         return out
 
 
-class Timed:
-    """Wraps a strategy: decode-step seconds and emitted tokens."""
+class DecodeTimer:
+    """A scheduler's decode steps, timed through its public parts: the runner's ``decode`` (the step's model work:
+    forward, sampling, with MTP the drafts, verify, acceptance and rollback) and, with MTP, the decode's ``plan`` and
+    ``observe`` around it (the draft policy's decision and bookkeeping). Wrapped on the instances while the timer is
+    open (``with DecodeTimer(sched) as timer:``); the scheduler's own bookkeeping (stops, detokenizing, joins,
+    prefill) is not counted.
 
-    def __init__(self, inner):
-        self.inner, self.seconds, self.tokens = inner, 0.0, 0
+    ``seconds``: the steps' time; ``tokens``: tokens the steps emitted; ``steps``; ``end``: when the last step's work
+    ended (``time.perf_counter``)."""
 
-    def __getattr__(self, name):  # head_layers, bind, prefill, join, stats: the inner strategy's
-        return getattr(self.inner, name)
+    def __init__(self, sched: BatchScheduler) -> None:
+        self.runner, self.spec = sched.runner, sched.spec
+        self.seconds, self.tokens, self.steps, self.end = 0.0, 0, 0, None
 
-    def step(self, *a):
-        t = time.perf_counter()
-        res = self.inner.step(*a)
-        self.seconds += time.perf_counter() - t
-        self.tokens += sum(len(x) for x in res.tokens)
-        return res
+    def __enter__(self) -> DecodeTimer:
+        decode = self.runner.decode
+
+        def timed_decode(plan):
+            tic = time.perf_counter()
+            result = decode(plan)
+            self.end = time.perf_counter()
+            self.seconds += self.end - tic
+            self.tokens += sum(len(t) for t in result.tokens)
+            self.steps += 1
+            return result
+
+        self.runner.decode = timed_decode
+        if self.spec is not None:
+            for name in ("plan", "observe"):
+                setattr(self.spec, name, self.wrap(getattr(self.spec, name)))
+        return self
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            tic = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.end = time.perf_counter()
+            self.seconds += self.end - tic
+            return out
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.decode  # the class's methods again (a decode kept across runs is timed by the next timer)
+        if self.spec is not None:
+            del self.spec.plan, self.spec.observe
 
 
 def run(bundle, tok, prompts, max_tokens, decode):
-    timed = Timed(decode)
+    """Greedy outputs of the prompts decoded in one batch (``decode``: None for plain decoding, else an
+    ``MTPDecode``) -> (tokens per prompt, the ``DecodeTimer`` of the run)."""
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=len(prompts), prefill_step_size=4096,
-                           eos_token_ids=[], decode=timed)
+                           eos_token_ids=[], decode=decode)
     for i, p in enumerate(prompts):
         sched.add(TextRequest(str(i), p, SamplingOptions(max_tokens=max_tokens)))
     finals = {}
-    while sched.has_work():
-        for o in sched.step():
-            if o.finished:
-                finals[int(o.request_id)] = o.token_ids
-    return [finals[i] for i in range(len(prompts))], timed
+    with DecodeTimer(sched) as timer:
+        while sched.has_work():
+            for o in sched.step():
+                if o.finished:
+                    finals[int(o.request_id)] = o.token_ids
+    return [finals[i] for i in range(len(prompts))], timer
 
 
 def median_ms(fn, iters: int) -> float:
@@ -195,6 +225,20 @@ def _restore(layers, snap) -> None:
             c.cache = list(s)
 
 
+def joined(model, decode: MTPDecode, tok, prompts, states=None) -> ModelRunner:
+    """A model runner whose decode batch holds the prompts as joined rows, each prefilled by the runner (or restored
+    from ``states(i)``, a ``PrefillState`` covering ``prompt[:-1]``) as the scheduler would."""
+    runner = ModelRunner(model, decode)
+    for i, p in enumerate(prompts):
+        row = Row(TextRequest(str(i), p), tok, set(), states(i) if states is not None else None)
+        if row.prefilled < row.to_prefill:
+            (done,) = runner.prefill([PrefillChunk(row, row.prefilled, row.to_prefill)])
+            if done.error is not None:
+                raise done.error
+        runner.join(row)
+    return runner
+
+
 def step_costs(bundle, prompts, k: int, iters: int, tok=None) -> dict:
     """t1, t2 (three capture variants), tm at this batch size, over prefilled caches rewound
     after every timed step (the context length stays fixed)."""
@@ -203,15 +247,7 @@ def step_costs(bundle, prompts, k: int, iters: int, tok=None) -> dict:
     x = mx.array([p[-1] for p in prompts], dtype=mx.uint32)[:, None]
     feed = mx.concatenate([x, x], axis=1)
     mtp = MTPDecode(head, k=k, adaptive=False)
-    batch = DecodeBatch(model, head_layers=mtp.head_layers)
-    mtp.bind(batch)
-    for i, p in enumerate(prompts):
-        state = PrefillState(backbone=model.make_cache())
-        mtp.prefill(model, mx.array([p[:-1]], dtype=mx.uint32), state)
-        state.prefilled = len(p) - 1
-        row = Row(TextRequest(str(i), p), tok, set())
-        row.decode = mtp.join(state, p)
-        batch.insert(row, state)
+    batch = joined(model, mtp, tok, prompts).batch
     cache = batch.backbone
     snap = _snapshot(cache.layers)
     keep = [1 + (i % 2) for i in range(B)]  # half the rows accept, half reject
@@ -259,16 +295,17 @@ def step_costs(bundle, prompts, k: int, iters: int, tok=None) -> dict:
     }
 
     greedy = [RowSampler(SamplingOptions(max_tokens=10**6)) for _ in range(B)]
-    h_new = mx.zeros((B, 1, model.args.hidden_size), mtp._rows[0].pending_h[0][0].dtype)
-    msnap = _snapshot(mtp._cache)
+    states = [r.spec for r in batch.rows]  # each row's MTPRowState
+    h_new = mx.zeros((B, 1, model.args.hidden_size), states[0].pending_h[0][0].dtype)
+    msnap = _snapshot(batch.head)
 
     def tm():  # one new verified pair per row, as after an all-rejected step, then k drafts
-        for i, r in enumerate(mtp._rows):
-            r.pending_h, r.pending_t = [], []
+        for i, r in enumerate(states):
+            r.pending_h, r.pending_t, r.skipped = [], [], 0
             r.add_pending(h_new, i, [int(x[i, 0].item())])
-        drafts, _ = mtp._draft(k, [True] * B, greedy)
-        mx.eval(drafts, [c.state for c in mtp._cache])
-        _restore(mtp._cache, msnap)
+        proposal = mtp.proposer.propose(k, states, batch.head, [True] * B, greedy)
+        mx.eval(proposal.drafts, [c.state for c in batch.head])
+        _restore(batch.head, msnap)
 
     res["tm_ms"] = median_ms(tm, iters)
     return res
@@ -305,12 +342,12 @@ def main() -> None:
         source = "random weights, FORCED acceptance"
     hook = None
     if forced:
-        conts, _ = run(bundle, tok, prompts_all, a.max_tokens + max([a.k, *extra_k]) + 1, SingleTokenDecode())
+        conts, _ = run(bundle, tok, prompts_all, a.max_tokens + max([a.k, *extra_k]) + 1, None)
         hook = Oracle(prompts_all, conts, a.forced_acceptance, bundle.model.args.vocab_size)
         source += f" (the true next token proposed with probability {a.forced_acceptance})"
 
     def stats_delta(decode, before) -> dict:
-        after = decode.stats() if hasattr(decode, "stats") else {}
+        after = decode.stats() if decode is not None else {}
         return {**after, **{key: after[key] - before.get(key, 0) for key in COUNTERS if key in after}}
 
     rows: list[dict] = []
@@ -339,25 +376,33 @@ def main() -> None:
             a.out.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
+    def mtp(k: int, **options) -> MTPDecode:
+        """The engine's MTP decoding, its drafts through the forcing hook where acceptance is forced."""
+        if hook is not None:
+            return hooked_decode(bundle.mtp, hook, k=k, **options)
+        return MTPDecode(bundle.mtp, k, **options)
+
+    def plain_decode() -> None:
+        return None  # plain decoding: the scheduler's decode=None
+
     for B in batches:
         prompts = prompts_all[:B]
-        adaptive = lambda: MTPDecode(bundle.mtp, k=a.k, adaptive=True, draft_hook=hook)  # noqa: E731
-        # name -> (factory, reuse): a reused strategy serves every round, as the server's does
-        # (what its adaptive schedule learnt persists); the others start fresh each run.
+        adaptive = lambda: mtp(a.k, adaptive=True)  # noqa: E731
+        # name -> (factory, reuse): a reused decode serves every round, as the server's does
+        # (what its adaptive policy learnt persists); the others start fresh each run.
         configs = {
-            "plain": (SingleTokenDecode, False),
-            "mtp": (lambda: MTPDecode(bundle.mtp, k=a.k, adaptive=False, draft_hook=hook), False),
-            "mtp_batchwide": (lambda: MTPDecode(bundle.mtp, k=a.k, adaptive=False, per_row_acceptance=False,
-                                                draft_hook=hook), False),
+            "plain": (plain_decode, False),
+            "mtp": (lambda: mtp(a.k, adaptive=False), False),
+            "mtp_batchwide": (lambda: mtp(a.k, adaptive=False, per_row_acceptance=False), False),
             "mtp_adaptive": (adaptive, True),
             "mtp_adaptive_cold": (adaptive, False),
         }
         if a.configs:
             configs = {n: c for n, c in configs.items() if n in ("plain", *a.configs.split(","))}
         for k in extra_k:
-            configs[f"mtp_k{k}"] = (lambda k=k: MTPDecode(bundle.mtp, k=k, adaptive=False, draft_hook=hook), False)
+            configs[f"mtp_k{k}"] = (lambda k=k: mtp(k, adaptive=False), False)
         # Plain again at the end of each round: its "speedup" is the noise floor of the others.
-        configs["plain_control"] = (SingleTokenDecode, False)
+        configs["plain_control"] = (plain_decode, False)
         kept = {name: None for name in configs}
         runs: dict[str, list[tuple[float, list, dict]]] = {name: [] for name in configs}
         # Rounds interleave the configurations, each round in a rotated order, and every speedup is
@@ -370,7 +415,7 @@ def main() -> None:
                 make, reuse = configs[name]
                 decode = kept[name] if reuse and kept[name] is not None else make()
                 kept[name] = decode
-                before = decode.stats() if hasattr(decode, "stats") else {}
+                before = decode.stats() if decode is not None else {}
                 # Every run starts from an empty buffer cache and no garbage: otherwise a run reuses
                 # (or pages in) buffers shaped by the configuration before it in the round.
                 gc.collect()

@@ -2,7 +2,7 @@
 """What the MTP head over the prompt costs and buys (``--mtp-prompt-pairs``), on the trained model
 (models/tiny-qwen35-trained, its own head: real acceptance).
 
-Prefill: one --prefill-tokens prompt prefilled as the engine does (each strategy's ``prefill``, in
+Prefill: one --prefill-tokens prompt prefilled as the engine does (``runner.prefill_forward``, in
 --prefill-chunk chunks: the server's calibrated chunk on the 2-core CPU is 16), without MTP and
 with MTP at each setting, in rotating order for --rounds rounds; wall and process CPU seconds (CPU
 time is the work done, which other jobs on a shared machine do not inflate as they do wall time).
@@ -29,14 +29,17 @@ import mlx.core as mx  # noqa: E402
 
 from mtp_decode_bench import load_bundle, make_prompts  # noqa: E402
 from provenance import record  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.state import PrefillState, TextRequest  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.proposer import MTPProposer  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.state import PrefillState, TextRequest  # noqa: E402
 
 
-def decode(bundle, tok, prompts: list[list[int]], max_tokens: int, strategy, chunk: int) -> list[list[int]]:
+def decode(bundle, tok, prompts: list[list[int]], max_tokens: int, strategy: MTPDecode | None,
+           chunk: int) -> list[list[int]]:
+    """Greedy outputs, the prompts in one batch (``strategy``: None for plain decoding)."""
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=len(prompts), prefill_step_size=chunk, eos_token_ids=[],
                            decode=strategy)
     for i, p in enumerate(prompts):
@@ -49,15 +52,15 @@ def decode(bundle, tok, prompts: list[list[int]], max_tokens: int, strategy, chu
     return [out[i] for i in range(len(prompts))]
 
 
-def prefill_seconds(bundle, ids: list[int], chunk: int, strategy) -> tuple[float, float]:
-    """(wall, process CPU) seconds of prefilling ``ids`` (all but the last token) as the engine does."""
+def prefill_seconds(bundle, ids: list[int], chunk: int, proposer: MTPProposer | None) -> tuple[float, float]:
+    """(wall, process CPU) seconds of prefilling ``ids`` (all but the last token) as the engine does (``proposer``:
+    the MTP head's, or None without MTP)."""
     tokens = mx.array(ids[:-1], dtype=mx.uint32)[None]
     n = tokens.shape[1]
     state = PrefillState(backbone=bundle.model.make_cache(), prefill_to=n)
     wall, cpu = time.perf_counter(), time.process_time()
     for s in range(0, n, chunk):
-        strategy.prefill(bundle.model, tokens[:, s : s + chunk], state)
-        state.prefilled += min(chunk, n - s)
+        prefill_forward(bundle.model, proposer, tokens[:, s : s + chunk], state)  # advances state.prefilled
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         write()
 
     prompts = make_prompts(tok, a.prompts, a.prompt_tokens)
-    ref = decode(bundle, tok, prompts, a.max_tokens, SingleTokenDecode(), a.chunk)
+    ref = decode(bundle, tok, prompts, a.max_tokens, None, a.chunk)
     for setting in settings:
         pairs = None if setting == "all" else int(setting)
         strategy = MTPDecode(bundle.mtp, k=1, adaptive=False, prompt_pairs=pairs)
@@ -106,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def prefill_costs(bundle, tok, settings: list[str], a: argparse.Namespace) -> dict:
     ids = make_prompts(tok, 1, a.prefill_tokens)[0]
-    strategies = {"nomtp": SingleTokenDecode(), **{f"mtp_{x}": MTPDecode(bundle.mtp, k=1, prompt_pairs=None if x == "all"
-                                                                         else int(x)) for x in settings}}
+    strategies: dict[str, MTPProposer | None] = {"nomtp": None}  # the prefill's proposer: none without MTP
+    for x in settings:
+        strategies[f"mtp_{x}"] = MTPProposer(bundle.mtp, 1, prompt_pairs=None if x == "all" else int(x))
     names = list(strategies)
     times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for r in range(a.rounds + 1):

@@ -10,7 +10,7 @@ an oracle proposing a plain run's continuation stops matching in bf16 on CUDA, w
 verify and a [B, 1] step round near-tie logits differently; forcing the verify's verdict avoids
 both.) Per batch size B and acceptance a, in one process:
 
-  plain          the engine's plain decoding (twice a round: plain_control is the noise floor)
+  plain          the engine's plain decoding, ``decode=None`` (twice a round: plain_control is the noise floor)
   mtp_a<a>       per-row acceptance, k = 1, every row drafting every step
   aon_a<a>       batch-wide all-or-nothing acceptance (the host's and mlx-vlm's scheme), B > 1
   t1 / t2 / tm   one plain step, one [B, 2] verify with capture + rollback, one head draft step
@@ -19,10 +19,15 @@ both.) Per batch size B and acceptance a, in one process:
   breakdown      where t2 - t1 sits: the gated-delta layers, the attention layers and the lm_head
                  run alone at 1 and 2 tokens per row (each group timed as one graph)
 
-and, for a long prompt (--prefill-tokens), its prefill without MTP, with MTP (the head over the
-prompt's last positions, the default) and with the head over every position (the former way), at
-the chunk size the server would pick (``prefill_budget.calibrate``): MTP's prefill tax, against the
-head's share of the model's parameters.
+and, for a long prompt (--prefill-tokens), its prefill (``runner.prefill_forward``) without MTP, with MTP
+(the head over the prompt's last positions, the default) and with the head over every position (the
+former way), at the chunk size the server would pick (``prefill_budget.calibrate``): MTP's prefill tax,
+against the head's share of the model's parameters.
+
+Decode tok/s counts the decode steps only (``mtp_decode_bench.DecodeTimer``: the runner's ``decode``
+and, with MTP, the draft policy's ``plan`` and ``observe``); t1 / t2 / tm run on the batch caches of a
+``ModelRunner`` whose rows joined as the scheduler joins them, tm through the proposer
+(``MTPProposer.propose``).
 
 Prompts are random token ids of the trained tiny model's tokenizer (the engine detokenizes every
 step), prefilled once per shape as one batch and restored into every run (``BatchScheduler.add(...,
@@ -80,19 +85,15 @@ from vllm_mlx_mtp_routing.model.mlx_lm_internals import (  # noqa: E402
 from vllm_mlx_mtp_routing.model.mtp import MTPHead  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import on_cuda  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine import (  # noqa: E402
-    BatchScheduler,
-    DecodeBatch,
-    PrefillState,
-    RaggedKVCache,
-    Row,
-    SamplingOptions,
-    TextRequest,
-)
-from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.batch_cache import RaggedKVCache  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.prefill_budget import calibrate  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.runner import prefill_forward  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.sampling import RowSampler, SamplingOptions  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.proposer import MTPProposer  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.state import PrefillState, TextRequest  # noqa: E402
+from mtp_decode_bench import DecodeTimer, joined  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 # The gated-delta recurrence, plain step and verify alike: "loop" is mlx-lm's per-token loop (the
@@ -173,8 +174,8 @@ def load_tokenizer():
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(TRAINED)
-    size = len(tok._tokenizer)
-    special = set(tok._tokenizer.all_special_ids) | set(tok.eos_token_ids)
+    size = len(tok.get_vocab())  # with the added tokens
+    special = set(tok.all_special_ids) | set(tok.eos_token_ids)
     return tok, size, sorted(special)
 
 
@@ -191,7 +192,7 @@ class Rows:
         cache = model.make_cache()
         _, hidden, _ = backbone_forward(model, tokens, cache, logits=False)
         mcache = head.make_cache()
-        # The head's pairs (h_t, token_t+1), t < n - 1, as MTPDecode.prefill builds them.
+        # The head's pairs (h_t, token_t+1), t < n - 1, as MTPProposer.prefill builds them.
         head.forward(hidden, mx.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1), mcache)
         for c in mcache:
             c.trim(1)
@@ -227,31 +228,16 @@ class Rows:
         return PrefillState(backbone=layers, head=head, head_hidden=self.hidden[i], prefilled=len(self.prompts[i]) - 1)
 
 
-class Timed:
-    """Wraps a decode strategy: seconds inside its steps and tokens emitted."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.seconds, self.tokens = inner, 0.0, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def step(self, *a: Any) -> Any:
-        t = time.perf_counter()
-        res = self.inner.step(*a)
-        self.seconds += time.perf_counter() - t
-        self.tokens += sum(len(x) for x in res.tokens)
-        return res
-
-
-def decode_run(model: TextModel, tok: Any, rows: Rows, B: int, max_tokens: int, decode: Any) -> Timed:
-    timed = Timed(decode)
-    sched = BatchScheduler(model, tok, max_num_seqs=B, prefill_step_size=4096, eos_token_ids=[], decode=timed)
+def decode_run(model: TextModel, tok: Any, rows: Rows, B: int, max_tokens: int,
+               decode: MTPDecode | None) -> DecodeTimer:
+    """B restored rows decoded to ``max_tokens`` (``decode``: None for plain decoding) -> the run's decode timer."""
+    sched = BatchScheduler(model, tok, max_num_seqs=B, prefill_step_size=4096, eos_token_ids=[], decode=decode)
     for i in range(B):
         sched.add(TextRequest(str(i), rows.prompts[i], SamplingOptions(max_tokens=max_tokens)), restored=rows.state(i))
-    while sched.has_work():
-        sched.step()
-    return timed
+    with DecodeTimer(sched) as timer:
+        while sched.has_work():
+            sched.step()
+    return timer
 
 
 # -- step costs -----------------------------------------------------------------------------------
@@ -283,13 +269,7 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
     """t1, t2 per recurrence, t2 without capture, tm, and the t1 / t2 breakdown by layer kind, on
     the engine's batch caches, rewound after every timed step (the context stays fixed)."""
     mtp = MTPDecode(head, k=1, adaptive=False)
-    batch = DecodeBatch(model, head_layers=mtp.head_layers)
-    mtp.bind(batch)
-    for i in range(B):
-        state = rows.state(i)
-        row = Row(TextRequest(str(i), rows.prompts[i]), tok, set(), state)
-        row.decode = mtp.join(state, rows.prompts[i])
-        batch.insert(row, state)
+    batch = joined(model, mtp, tok, rows.prompts[:B], rows.state).batch
     cache = batch.backbone
     snap = _snapshot(cache.layers)
     x = mx.array([p[-1] for p in rows.prompts[:B]], dtype=mx.uint32)[:, None]
@@ -350,15 +330,16 @@ def step_costs(model: TextModel, head: MTPHead, tok: Any, rows: Rows, B: int, it
 
     greedy = [RowSampler(SamplingOptions(max_tokens=10**6)) for _ in range(B)]
     h_new = mx.zeros((B, 1, model.args.hidden_size), rows.hidden[0].dtype)
-    msnap = _snapshot(mtp._cache)
+    states = [r.spec for r in batch.rows]  # each row's MTPRowState
+    msnap = _snapshot(batch.head)
 
     def tm() -> None:  # one new verified pair per row, as after an all-rejected step, then a draft
-        for i, r in enumerate(mtp._rows):
+        for i, r in enumerate(states):
             r.pending_h, r.pending_t, r.skipped = [], [], 0
             r.add_pending(h_new, i, [int(x[i, 0].item())])
-        drafts, _ = mtp._draft(1, [True] * B, greedy)
-        mx.eval(drafts, [c.state for c in mtp._cache])
-        _restore(mtp._cache, msnap)
+        proposal = mtp.proposer.propose(1, states, batch.head, [True] * B, greedy)
+        mx.eval(proposal.drafts, [c.state for c in batch.head])
+        _restore(batch.head, msnap)
 
     res["tm_ms"] = median_ms(tm, iters)
     res["breakdown"] = breakdown(model, cache, snap, B, iters)
@@ -420,19 +401,14 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
         b = mx.random.normal((B, T, Hv), key=ks[4]).astype(dtype)
         state0 = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
         mx.eval(q, k, v, a, b, state0)
-        before = backbone.use_recurrence("loop")
-        try:
-            for name in ("loop", "fused", "compiled"):
-                backbone.use_recurrence(name)
+        for name in ("loop", "fused", "compiled"):
+            recurrence = backbone.RECURRENCES[name]  # what use_recurrence(name) makes the verify's
 
-                def rec() -> None:
-                    res = [backbone._recurrence_with_states(layer.linear_attn, q, k, v, a, b, state0)
-                           for layer, _ in lin_layers]
-                    mx.eval(res)
+            def rec() -> None:
+                res = [recurrence(layer.linear_attn, q, k, v, a, b, state0, None) for layer, _ in lin_layers]
+                mx.eval(res)
 
-                out[f"recurrence_{name}_T{T}_ms"] = median_ms(rec, iters)
-        finally:
-            backbone.use_recurrence(before)
+            out[f"recurrence_{name}_T{T}_ms"] = median_ms(rec, iters)
     return {key: round(v, 3) for key, v in out.items()}
 
 
@@ -440,8 +416,8 @@ def breakdown(model: TextModel, cache: Any, snap: list, B: int, iters: int) -> d
 
 
 def prefill_tax(model: TextModel, head: MTPHead, n_tokens: int, vocab: int, repeats: int) -> dict:
-    """One prompt prefilled as the engine prefills it (``prefill`` of each strategy, in the chunks
-    the server would calibrate), without and with MTP, alternating; median seconds."""
+    """One prompt prefilled as the engine prefills it (``prefill_forward``, without a proposer and with the MTP
+    head's, in the chunks the server would calibrate), without and with MTP, alternating; median seconds."""
     # as a server with --prefill-step-size 2048 would; a chunk never outgrows the prompt (one of at most 16 tokens
     # needs no measuring)
     budget = calibrate(model, max_chunk=min(2048, n_tokens), ratio=3.0, vocab_size=vocab)
@@ -449,15 +425,14 @@ def prefill_tax(model: TextModel, head: MTPHead, n_tokens: int, vocab: int, repe
     ids = mx.random.randint(10, vocab, (1, n_tokens), key=mx.random.key(3)).astype(mx.uint32)
     # mtp: the head over the prompt's last DEFAULT_PROMPT_PAIRS positions (the default); mtp_all:
     # over every position (--mtp-prompt-pairs all, the former way)
-    strategies = {"plain": SingleTokenDecode(), "mtp": MTPDecode(head, k=1),
-                  "mtp_all": MTPDecode(head, k=1, prompt_pairs=None)}
+    strategies: dict[str, MTPProposer | None] = {"plain": None, "mtp": MTPProposer(head, 1),
+                                                 "mtp_all": MTPProposer(head, 1, prompt_pairs=None)}
 
-    def run(decode: Any) -> float:
+    def run(proposer: MTPProposer | None) -> float:
         state = PrefillState(backbone=model.make_cache(), prefill_to=n_tokens)
         t = time.perf_counter()
         for s in range(0, n_tokens, chunk):
-            decode.prefill(model, ids[:, s : s + chunk], state)
-            state.prefilled += min(chunk, n_tokens - s)
+            prefill_forward(model, proposer, ids[:, s : s + chunk], state)  # advances state.prefilled
         return time.perf_counter() - t
 
     times: dict[str, list[float]] = {name: [] for name in strategies}
@@ -604,13 +579,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mtp_shapes: skip batch {B} ({elapsed:.0f} s of {a.budget_s:.0f} s used)", flush=True)
             continue
         tb = time.perf_counter()
-        configs: dict[str, Callable[[], Any]] = {"plain": SingleTokenDecode}
+        configs: dict[str, Callable[[], MTPDecode | None]] = {"plain": lambda: None}
         for acc in acceptances:
             configs[f"mtp_a{acc}"] = lambda acc=acc: ForcedAcceptanceDecode(head, acc, k=1, adaptive=False, seed=B)
             if B > 1:
                 configs[f"aon_a{acc}"] = lambda acc=acc: ForcedAcceptanceDecode(
                     head, acc, k=1, adaptive=False, per_row_acceptance=False, seed=B)
-        configs["plain_control"] = SingleTokenDecode
+        configs["plain_control"] = lambda: None
         names = list(configs)
         runs: dict[str, list[tuple[float, dict]]] = {name: [] for name in names}
         # Rounds interleave the configurations in a rotated order; every speedup is against the
@@ -622,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode = configs[name]()
                 timed = decode_run(model, tok, rows, B, a.max_tokens, decode)
                 if rnd:
-                    runs[name].append((timed.tokens / timed.seconds, decode.stats() if hasattr(decode, "stats") else {}))
+                    runs[name].append((timed.tokens / timed.seconds, decode.stats() if decode is not None else {}))
         costs = step_costs(model, head, tok, rows, B, a.iters)
         row = summarize(B, costs, runs, acceptances)
         row["seconds"] = round(time.perf_counter() - tb, 1)

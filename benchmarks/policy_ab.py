@@ -6,16 +6,17 @@ scheduler, and the schedulers step in turn, one step each (the order rotating ev
 slow phase of a shared machine (seconds long: another process's test run) falls on every
 configuration alike instead of on whichever ran then; mtp_decode_bench runs them one after another
 and on the 2-core machine shared with other sessions its per-round ratios swung 0.5-2.3x. A
-configuration's tok/s counts its decode steps only, with the device work a step leaves running
-(MTPDecode's rollback overlaps the scheduler's bookkeeping) awaited before the next configuration
-steps and counted to its own. Each policy times its steps from the end of its own previous step;
-the time the other configurations took in between is taken out (as if it had run alone), so what
-it learns is its own cost.
+configuration's tok/s counts its decode steps only (``mtp_decode_bench.DecodeTimer``), with the device
+work a step leaves running (MTP's rollback overlaps the scheduler's bookkeeping) awaited before the next
+configuration steps and counted to its own. Each policy times its steps from the end of its own previous
+step; the time the other configurations took in between is taken out (``LockstepPolicy``: as if it had
+run alone), so what it learns is its own cost.
 
-  plain, plain_control  SingleTokenDecode (the second is the noise floor: control / plain)
+  plain, plain_control  plain decoding, ``decode=None`` (the second is the noise floor: control / plain)
   always                MTPDecode, every row drafting k every step (--mtp-schedule always)
   cost                  MTPDecode with the cost-model DraftPolicy (kept across rounds, as a server
-                        keeps it); cost_cold: a fresh one every round (its learning in the timing)
+                        keeps it); cost_cold: a fresh one every round (its learning in the timing);
+                        both as ``LockstepPolicy``
 
 The exploring schedule the cost model replaced (``DraftSchedule``: throughput arms per draft count,
 explorations with back-off, ~12 tunables) ran beside them as ``explore`` / ``explore_cold`` in the
@@ -30,6 +31,7 @@ reported. The first round is a warm-up (shapes compiled, kept policies trained).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -48,62 +50,61 @@ import mtp_decode_bench as mb  # noqa: E402
 import provenance  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.decode import SingleTokenDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.spec.draft_policy import DraftPolicy  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode  # noqa: E402
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 
-class Timed:
-    """Wraps a strategy: decode-step seconds, tokens, and when its last step ended."""
+class LockstepPolicy(DraftPolicy):
+    """The draft policy, told each step's cost without the other configurations' steps in between: ``MTPDecode``
+    times a step from the end of its previous one, and ``lockstep`` adds to ``others`` the time from this
+    configuration's last step (its device work awaited) to its next one, which is taken off."""
 
-    def __init__(self, inner):
-        self.inner, self.seconds, self.tokens, self.end = inner, 0.0, 0, None
+    def __init__(self, k: int, **options) -> None:
+        super().__init__(k, **options)
+        self.others = 0.0
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def step(self, *a):
-        t = time.perf_counter()
-        res = self.inner.step(*a)
-        self.end = time.perf_counter()
-        self.seconds += self.end - t
-        self.tokens += sum(len(x) for x in res.tokens)
-        return res
+    def observe(self, rows, k, drafting, accepted, *, seconds, shape, timed=True) -> None:
+        if seconds is not None:
+            seconds -= self.others
+        self.others = 0.0
+        super().observe(rows, k, drafting, accepted, seconds=seconds, shape=shape, timed=timed)
 
 
 def lockstep(bundle, tok, prompts, max_tokens, decodes: dict, order_seed: int) -> dict:
-    """Run every configuration's scheduler one step at a time, in turn. -> name: (Timed, tokens)."""
+    """Run every configuration's scheduler one step at a time, in turn. -> name: (DecodeTimer, tokens)."""
     runs = {}
-    for name, decode in decodes.items():
-        timed = Timed(decode)
-        sched = BatchScheduler(bundle.model, tok, max_num_seqs=len(prompts), prefill_step_size=4096,
-                               eos_token_ids=[], decode=timed)
-        for i, p in enumerate(prompts):
-            sched.add(TextRequest(str(i), p, SamplingOptions(max_tokens=max_tokens)))
-        runs[name] = {"sched": sched, "timed": timed, "finals": {}, "tail": 0.0}
-    names = list(runs)
-    cycle = order_seed
-    while any(r["sched"].has_work() for r in runs.values()):
-        cycle += 1
-        for name in names[cycle % len(names):] + names[: cycle % len(names)]:
-            r = runs[name]
-            if not r["sched"].has_work():
-                continue
-            inner = r["timed"].inner
-            if getattr(inner, "_last_end", None) is not None:
-                # Its cycle as if alone: its own work after its last step, not the others' steps.
-                inner._last_end = time.perf_counter() - r["tail"]
-            for o in r["sched"].step():
-                if o.finished:
-                    r["finals"][int(o.request_id)] = o.token_ids
-            # MTPDecode leaves its rollback running (async) while the scheduler does its bookkeeping:
-            # it must end here, counted to this configuration, not inside the next one's step.
-            t = time.perf_counter()
-            mx.synchronize()
-            if r["timed"].end is not None:
-                r["timed"].seconds += time.perf_counter() - t
-                r["tail"] = time.perf_counter() - r["timed"].end
-    return {n: (r["timed"], [r["finals"][i] for i in range(len(prompts))]) for n, r in runs.items()}
+    with contextlib.ExitStack() as timers:
+        for name, decode in decodes.items():
+            sched = BatchScheduler(bundle.model, tok, max_num_seqs=len(prompts), prefill_step_size=4096,
+                                   eos_token_ids=[], decode=decode)
+            for i, p in enumerate(prompts):
+                sched.add(TextRequest(str(i), p, SamplingOptions(max_tokens=max_tokens)))
+            policy = decode.policy if decode is not None and isinstance(decode.policy, LockstepPolicy) else None
+            runs[name] = {"sched": sched, "timer": timers.enter_context(mb.DecodeTimer(sched)), "policy": policy,
+                          "finals": {}, "paused": None}
+        names = list(runs)
+        cycle = order_seed
+        while any(r["sched"].has_work() for r in runs.values()):
+            cycle += 1
+            for name in names[cycle % len(names):] + names[: cycle % len(names)]:
+                r = runs[name]
+                if not r["sched"].has_work():
+                    continue
+                if r["policy"] is not None and r["paused"] is not None:
+                    # Its cycle as if alone: its own work after its last step, not the others' steps.
+                    r["policy"].others += time.perf_counter() - r["paused"]
+                for o in r["sched"].step():
+                    if o.finished:
+                        r["finals"][int(o.request_id)] = o.token_ids
+                # MTP leaves its rollback running (async) while the scheduler does its bookkeeping:
+                # it must end here, counted to this configuration, not inside the next one's step.
+                t = time.perf_counter()
+                mx.synchronize()
+                r["paused"] = time.perf_counter()
+                if r["timer"].end is not None:
+                    r["timer"].seconds += r["paused"] - t
+    return {n: (r["timer"], [r["finals"][i] for i in range(len(prompts))]) for n, r in runs.items()}
 
 
 def main() -> None:
@@ -124,8 +125,8 @@ def main() -> None:
     k = a.k
     factories = {
         "always": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=False), False),
-        "cost": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=True), True),
-        "cost_cold": (lambda: MTPDecode(bundle.mtp, k=k, adaptive=True), False),
+        "cost": (lambda: MTPDecode(bundle.mtp, k=k, policy=LockstepPolicy(k, adaptive=True)), True),
+        "cost_cold": (lambda: MTPDecode(bundle.mtp, k=k, policy=LockstepPolicy(k, adaptive=True)), False),
     }
     chosen = [c for c in a.configs.split(",") if c in factories]
     result = {"benchmark": "policy_ab", "model": str(path.name), "acceptance_source": source, "k": k,
@@ -138,7 +139,7 @@ def main() -> None:
         counts = {n: [0, 0] for n in chosen}
         exact = {n: True for n in chosen}
         for rnd in range(a.rounds + 1):
-            decodes = {"plain": SingleTokenDecode(), "plain_control": SingleTokenDecode()}
+            decodes = {"plain": None, "plain_control": None}
             for n in chosen:
                 make, keep = factories[n]
                 decodes[n] = kept.get(n) or make()

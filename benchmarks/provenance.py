@@ -52,3 +52,11 @@ def versions() -> dict:
 
 def record() -> dict:
     return {"commit": commit(), "device": device(), "versions": versions()}
+
+
+if __name__ == "__main__":  # a helper module; run alone it prints what a result file would record
+    import argparse
+    import json
+
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    print(json.dumps(record(), indent=1))

@@ -23,25 +23,28 @@ import time
 
 
 def trace_mtp_steps(path: str) -> None:
+    """Log every text-path MTP decode step (the model runner's ``decode`` of a runner with MTP) and every step cost
+    the adaptive draft policy records. Patched on the classes: the server builds its engine after this."""
+    from vllm_mlx_mtp_routing.text_engine.runner import ModelRunner
     from vllm_mlx_mtp_routing.text_engine.spec.draft_costs import DraftCosts
-    from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 
     out = open(path, "a", buffering=1)
-    step, record = MTPDecode.step, DraftCosts.record
+    decode, record = ModelRunner.decode, DraftCosts.record
 
-    def traced_step(self, model, cache, inputs, samplers):
+    def traced_decode(self, plan):
         t = time.perf_counter()
-        r = step(self, model, cache, inputs, samplers)
-        ms = 1000 * (time.perf_counter() - t)
-        out.write(json.dumps({"t": round(t, 4), "B": len(inputs), "k": max(r.drafted, default=0), "ms": round(ms, 2),
-                              "tokens": sum(map(len, r.tokens))}) + "\n")
+        r = decode(self, plan)
+        if self.spec is not None:
+            ms = 1000 * (time.perf_counter() - t)
+            out.write(json.dumps({"t": round(t, 4), "B": len(plan.rows), "k": plan.draft_tokens, "ms": round(ms, 2),
+                                  "tokens": sum(map(len, r.tokens))}) + "\n")
         return r
 
     def traced_record(self, batch, drafted, seconds):
         out.write(json.dumps({"timed": [batch, drafted, round(1000 * seconds, 3)], "ratio": self.ratio_by_batch()}) + "\n")
         record(self, batch, drafted, seconds)
 
-    MTPDecode.step, DraftCosts.record = traced_step, traced_record
+    ModelRunner.decode, DraftCosts.record = traced_decode, traced_record
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The text engine's start-up warm-up on this device: what it costs, and the first and second decode step at each
-batch size after it (or without it, --warmup off), through the engine's own scheduler and decode strategy.
+batch size after it (or without it, --warmup off), through the engine's own scheduler and MTP decoding.
 
 A process starts as a server does: the model (random weights at a Qwen3.5 shape, or the trained tiny model), the
 prefill calibration (``prefill_budget.calibrate``), then ``TextEngine.warm_up`` (text_engine/warmup.py: throwaway
@@ -8,8 +8,8 @@ rows at batch sizes 1..min(--max-batch, 8), a plain step and with MTP a verify o
 --prompt-tokens length, a batch grows from 1 to --max-batch rows, one row joining per size as requests do; at each
 size a plain step (the one the row joins in) and a verify, then both again: the first of each kind against the
 second. Sizes past the warm-up's 8 show what a larger --max-num-seqs still pays; the longer prompts show whether a
-row's KV span (attention plans are per span on CUDA) needs warming too. benchmarks/first_steps.py measured the cold
-first steps without the engine (2-12 s per batch size on an H100).
+row's KV span (attention plans are per span on CUDA) needs warming too. The cold first steps without the engine
+measured 2-12 s per batch size on an H100 (BENCHMARKS.md section 7; that script, first_steps.py, was removed).
 
 MLX's CUDA backend keeps the PTX it compiles on disk (MLX_PTX_CACHE_DIR, default <temp dir>/mlx/<version>/ptx) and
 reads it back in later processes: --fresh-ptx-cache points it at an empty folder (a cold start),
@@ -147,13 +147,23 @@ def main() -> None:
         warm = engine.warm_up().stats()
         print(json.dumps({"warmup": warm}), flush=True)
 
+    # Each step's record (its decode, prefill and join seconds) as the scheduler's profile hands it out.
+    records = []
+    begin = sched.profile.begin
+
+    def recording_begin(step: int):
+        records[:] = [begin(step)]
+        return records[0]
+
+    sched.profile.begin = recording_begin
+
     def step(kind: str) -> dict:
         if policy is not None:
             policy.drafting = kind == "verify"
         tic = time.perf_counter()
         sched.step()
         mx.synchronize()
-        record = sched.profile._recent[-1]
+        record = records[0]
         return {"step_s": round(time.perf_counter() - tic, 4), "decode_s": round(record.decode_s, 4),
                 "prefill_s": round(record.prefill_s, 4), "join_s": round(record.join_s, 4)}
 
