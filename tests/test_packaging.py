@@ -97,3 +97,49 @@ def test_package_imports_no_test_support() -> None:
                 if top[0] in ("support", "tests") or "testing" in top:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
     assert not found
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module -> the package modules it imports: every import statement (deferred and type-only ones included), a
+    relative import resolved, ``from pkg import name`` read as the submodule where one exists, else the package."""
+    modules: dict[str, tuple[Path, bool]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, (path, is_package) in modules.items():
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                prefix = base[: len(base) - node.level + 1] if node.level else []
+                target = ".".join(prefix + ([node.module] if node.module else []))
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+                found = subs if len(subs) == len(node.names) else [target, *subs]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    """No module reaches itself through imports, deferred or type-only ones included."""
+    graph = _package_imports()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

@@ -9,15 +9,12 @@ sizes a chunk, ``after_chunk`` after each chunk, ``after_generation`` when the r
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+from ..text_engine.batch_cache import BatchCache
+from ..text_engine.row import Row
 from ..text_engine.state import PrefillState
 from .cache import PrefixCache
 from .snapshot import from_batch_row
-
-if TYPE_CHECKING:
-    from ..text_engine.batch_cache import BatchCache
-    from ..text_engine.row import Row
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
 
@@ -51,6 +48,10 @@ class SnapshotPlan:
         if restored < to_prefill:
             positions.setdefault(to_prefill, "prompt")
         return cls(cache, positions)
+
+    def snapshots_of(self, kind: str) -> list[int]:
+        """The positions where a snapshot of this kind will be taken (none without a cache)."""
+        return [p for p, k in self.positions.items() if k == kind] if self.cache is not None else []
 
     def cut(self, start: int, end: int) -> int:
         """The end of the chunk starting at ``start``: ``end`` or the first snapshot position before it."""

@@ -14,22 +14,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.nn as nn
 
 from ..prefix_cache.plan import SnapshotPlan
+from ..text_engine.row import Row
+from ..text_engine.spec.mtp import MTPDecode
 from ..text_engine.state import PrefillState
 from .metrics import SpecPrefillMetrics
 from .scoring import ScoringJob
 from .settings import RequestChoice, SpecPrefillSettings, decide
 from .sparse_prefill import SparsePrefill
 
-if TYPE_CHECKING:
-    from ..text_engine.row import Row
-    from ..text_engine.scheduler import BatchScheduler
-
 logger = logging.getLogger("vllm_mlx_mtp_routing.specprefill")
+
+
+class SparseTarget(Protocol):
+    """The engine that prefills the kept tokens (``text_engine.scheduler.BatchScheduler``): its model, its prefill
+    chunk and its MTP decode, whose head's caches a sparse prefill fills too."""
+
+    model: nn.Module
+    prefill_chunk: int
+    spec: MTPDecode | None
 
 
 class SpecPrefill:
@@ -40,7 +47,7 @@ class SpecPrefill:
         self.settings = settings or SpecPrefillSettings()
         self.metrics = SpecPrefillMetrics()
 
-    def start(self, seq: Row, scheduler: BatchScheduler) -> SparseJob | None:
+    def start(self, seq: Row, scheduler: SparseTarget) -> SparseJob | None:
         """The request's sparse job, or None (dense) with the reason counted."""
         choice: RequestChoice = seq.req.specprefill or RequestChoice()
         start = dense_prefix(seq)
@@ -83,16 +90,14 @@ def dense_prefix(seq: Row) -> int:
     """Where the sparse part of a prompt starts: after a prefix-cache hit, and after the system
     prompt when the cache is to snapshot it (as the host's system-KV cache does, so the next request
     with that system prompt hits it; a snapshot is never taken of a sparse state)."""
-    plan = seq.plan
-    system = [p for p, kind in (plan.positions.items() if plan is not None and plan.cache is not None else ())
-              if kind == "system" and p < seq.to_prefill]
+    system = [p for p in (seq.plan.snapshots_of("system") if seq.plan is not None else ()) if p < seq.to_prefill]
     return max([seq.prefilled, *system])
 
 
 class SparseJob:
     """One request's scoring then sparse prefill (see the module docstring)."""
 
-    def __init__(self, owner: SpecPrefill, seq: Row, scheduler: BatchScheduler, start: int, keep_pct: float, backbone_pct: float) -> None:
+    def __init__(self, owner: SpecPrefill, seq: Row, scheduler: SparseTarget, start: int, keep_pct: float, backbone_pct: float) -> None:
         self.owner = owner
         self.seq = seq
         self.scheduler = scheduler

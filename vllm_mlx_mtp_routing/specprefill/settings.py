@@ -10,8 +10,11 @@ turns it on; a prompt whose part still to prefill (after a prefix-cache hit) is 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from ..text_engine.state import RequestChoice, check_fractions
+
+__all__ = ["MAX_SCORED_TOKENS", "RequestChoice", "SpecPrefillSettings", "check_fractions", "decide"]
 
 # As the host's SimpleEngine: past this many tokens the draft's attention scores cost too much memory.
 MAX_SCORED_TOKENS = 65536
@@ -31,36 +34,6 @@ class SpecPrefillSettings:
         check_fractions(self.keep_pct, self.backbone_pct)
         if self.threshold < 0 or self.chunk_tokens < 1 or self.look_ahead < 1 or self.pool_kernel < 1:
             raise ValueError("threshold must be >= 0; chunk_tokens, look_ahead and pool_kernel >= 1")
-
-
-def check_fractions(keep_pct: float, backbone_pct: float) -> None:
-    """ValueError unless 0 < keep_pct <= 1 and 0 <= backbone_pct <= keep_pct."""
-    if not (isinstance(keep_pct, (int, float)) and math.isfinite(keep_pct) and 0.0 < keep_pct <= 1.0):
-        raise ValueError(f"specprefill_keep_pct must be in (0, 1], got {keep_pct!r}")
-    if not (isinstance(backbone_pct, (int, float)) and math.isfinite(backbone_pct) and 0.0 <= backbone_pct <= keep_pct):
-        raise ValueError(f"specprefill_backbone_pct must be in [0, specprefill_keep_pct={keep_pct}], got {backbone_pct!r}")
-
-
-@dataclass(frozen=True)
-class RequestChoice:
-    """A request's own SpecPrefill fields (None: the server's setting)."""
-
-    enabled: bool | None = None
-    keep_pct: float | None = None
-    backbone_pct: float | None = None
-
-    @classmethod
-    def from_options(cls, options: dict) -> RequestChoice:
-        """From the host's request options; ValueError (a 400) for values out of range."""
-        enabled = options.get("specprefill")
-        keep = options.get("specprefill_keep_pct")
-        backbone = options.get("specprefill_backbone_pct")
-        if enabled is not None and not isinstance(enabled, bool):
-            raise ValueError(f"specprefill must be a boolean, got {enabled!r}")
-        choice = cls(enabled, None if keep is None else float(keep), None if backbone is None else float(backbone))
-        if keep is not None or backbone is not None:
-            check_fractions(choice.keep_pct if choice.keep_pct is not None else 1.0, choice.backbone_pct or 0.0)
-        return choice
 
 
 def decide(settings: SpecPrefillSettings, choice: RequestChoice, suffix_tokens: int) -> tuple[float, float] | None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..prefix_cache.plan import SnapshotPlan
-from ..specprefill.pipeline import SparseJob
 from .detokenize import StopText
 from .logits_processing import RowLogits
 from .logprobs import TokenLogprob
 from .sampling import RowSampler
 from .spec.mtp_rows import MTPRowState
-from .state import PrefillState, TextOutput, TextRequest
+from .state import PrefillState, PrefixPlan, SparseJobView, TextOutput, TextRequest
 
 
 class Row:
@@ -34,8 +32,8 @@ class Row:
         self.emitted_tokens = 0
         self.drafted = 0
         self.accepted = 0
-        self.plan: SnapshotPlan | None = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
-        self.sparse: SparseJob | None = None  # a SpecPrefill job while the row is scored and prefilled sparsely
+        self.plan: PrefixPlan | None = None  # the prefix-cache plan (lookup done, snapshot positions) once prefilling
+        self.sparse: SparseJobView | None = None  # a SpecPrefill job while the row is scored and prefilled sparsely
         self.specprefill_outcome: dict | None = None  # SpecPrefill's decision, reported with the outputs
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
         self.shared_prefill = False  # started from the prefill of another row of its request

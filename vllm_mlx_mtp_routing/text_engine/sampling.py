@@ -7,16 +7,24 @@ neither the batch size nor a row's position in the batch changes which random nu
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
-if TYPE_CHECKING:
-    from .logits_processing import RowLogits
-
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+
+
+class LogitsSteering(Protocol):
+    """A row's own logits processing before sampling (``logits_processing.RowLogits``)."""
+
+    @property
+    def pure(self) -> bool: ...
+
+    def ends(self, token: int, emitted: int) -> bool: ...
+
+    def __call__(self, logits: mx.array, drafts: Sequence[int] = ()) -> mx.array: ...
 
 
 @dataclass
@@ -74,7 +82,7 @@ class RowSampler:
         self._seed = options.seed if options.seed is not None else random.getrandbits(63)
         self._key: mx.array | None = None  # built at first use, on the thread that steps
         self.fault: BaseException | None = None  # a sampling fault of this row alone (see row_check)
-        self.logits: RowLogits | None = None  # the row's logits_processing.RowLogits, None when its logits go in untouched
+        self.logits: LogitsSteering | None = None  # the row's logits_processing.RowLogits, None when its logits go in untouched
 
     def next_key(self) -> mx.array:
         if self._key is None:

@@ -16,8 +16,7 @@ import logging
 from typing import Any
 
 from ..prefix_cache.snapshot import Snapshot, restore, take
-from .row import Row
-from .state import PrefillState
+from .state import PrefillState, SharingRow
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +29,12 @@ class SharedPrefill:
             raise ValueError("rows must be >= 1")
         self.rows = rows
         self.prompt: tuple[int, ...] | None = None
-        self.leader: Row | None = None
+        self.leader: SharingRow | None = None
         self.snapshot: Snapshot | None = None
         self.unshareable = False  # the leader's state could not be kept: every row prefills alone
         self.done = 0  # rows that joined or left
 
-    def ready(self, row: Row, model: Any, with_head: bool) -> bool:
+    def ready(self, row: SharingRow, model: Any, with_head: bool) -> bool:
         """May ``row`` prefill now? A follower takes the leader's state here; False: it waits for the leader."""
         if row.prefill is not None or row.to_prefill <= 0 or self.unshareable:
             return True
@@ -53,7 +52,7 @@ class SharedPrefill:
             return True
         return False
 
-    def joined(self, row: Row, state: PrefillState) -> None:
+    def joined(self, row: SharingRow, state: PrefillState) -> None:
         """``row`` is about to join the batch with ``state`` (before the batch takes it)."""
         if row is self.leader and self.snapshot is None and self.done + 1 < self.rows:
             try:
@@ -63,7 +62,7 @@ class SharedPrefill:
                 self.unshareable = True
         self._count_done()
 
-    def left(self, row: Row) -> None:
+    def left(self, row: SharingRow) -> None:
         """``row`` left before joining (aborted, or its prefill failed): another row leads."""
         if row is self.leader:
             self.leader = None

@@ -6,9 +6,10 @@ each of them can import it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -16,19 +17,79 @@ from ..model.mlx_lm_internals import KVCache
 from .logprobs import TokenLogprob
 from .sampling import SamplingOptions
 
-if TYPE_CHECKING:
-    from ..specprefill.settings import RequestChoice
-    from .row import Row
+
+class SharingRow(Protocol):
+    """What n-sharing reads and sets of a row (``row.Row``)."""
+
+    req: TextRequest
+    prefill: PrefillState | None
+    shared_prefill: bool
+
+    @property
+    def to_prefill(self) -> int: ...
+
+
+class PrefixPlan(Protocol):
+    """A row's prefix-cache plan as the scheduler uses it (``prefix_cache.plan.SnapshotPlan``)."""
+
+    def cut(self, start: int, end: int) -> int: ...
+
+    def after_chunk(self, row: Any, n: int) -> None: ...
+
+    def snapshots_of(self, kind: str) -> list[int]: ...
+
+
+class SparseJobView(Protocol):
+    """A row's SpecPrefill job as the scheduler plans it (``specprefill.pipeline.SparseJob``)."""
+
+    def ready(self) -> bool: ...
+
+    def next_cost(self) -> int: ...
+
+    def advance(self) -> int: ...
 
 
 class PrefillSharing(Protocol):
     """The n rows of one request prefilled once (``shared_prefill.SharedPrefill``), as the scheduler sees it."""
 
-    def ready(self, row: Row, model: Any, with_head: bool) -> bool: ...
+    def ready(self, row: SharingRow, model: Any, with_head: bool) -> bool: ...
 
-    def joined(self, row: Row, state: PrefillState) -> None: ...
+    def joined(self, row: SharingRow, state: PrefillState) -> None: ...
 
-    def left(self, row: Row) -> None: ...
+    def left(self, row: SharingRow) -> None: ...
+
+
+def check_fractions(keep_pct: float, backbone_pct: float) -> None:
+    """ValueError unless 0 < keep_pct <= 1 and 0 <= backbone_pct <= keep_pct."""
+    if not (isinstance(keep_pct, (int, float)) and math.isfinite(keep_pct) and 0.0 < keep_pct <= 1.0):
+        raise ValueError(f"specprefill_keep_pct must be in (0, 1], got {keep_pct!r}")
+    if not (isinstance(backbone_pct, (int, float)) and math.isfinite(backbone_pct) and 0.0 <= backbone_pct <= keep_pct):
+        raise ValueError(f"specprefill_backbone_pct must be in [0, specprefill_keep_pct={keep_pct}], got {backbone_pct!r}")
+
+
+
+@dataclass(frozen=True)
+class RequestChoice:
+    """A request's own SpecPrefill fields (None: the server's setting)."""
+
+    enabled: bool | None = None
+    keep_pct: float | None = None
+    backbone_pct: float | None = None
+
+    @classmethod
+    def from_options(cls, options: dict) -> RequestChoice:
+        """From the host's request options; ValueError (a 400) for values out of range."""
+        enabled = options.get("specprefill")
+        keep = options.get("specprefill_keep_pct")
+        backbone = options.get("specprefill_backbone_pct")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"specprefill must be a boolean, got {enabled!r}")
+        choice = cls(enabled, None if keep is None else float(keep), None if backbone is None else float(backbone))
+        if keep is not None or backbone is not None:
+            check_fractions(choice.keep_pct if choice.keep_pct is not None else 1.0, choice.backbone_pct or 0.0)
+        return choice
+
+
 
 
 @dataclass
