@@ -1,4 +1,4 @@
-"""Reliability through the real server: hang-ups, hostile parameters, cancel by id, over-context prompts.
+"""Reliability through the real server: hang-ups, hostile parameters, cancel by id, what fits the context.
 
 Each test ends with the server's counters back at 0: no request may leak a slot or a text-engine row.
 """
@@ -11,21 +11,25 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
 
 from support.server import Server, serve
+from support.tiny_model import with_context
 
 pytestmark = pytest.mark.server
 
 LONG = 400  # tokens a stream would run for if nobody stopped it
+CONTEXT = 1024  # the module server's model context: a prompt can leave it a few tokens cheaply
 
 
 @pytest.fixture(scope="module")
 def server(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = with_context(tiny_vlm_bf16, tmp_path_factory.mktemp("context") / tiny_vlm_bf16.name, CONTEXT)
     flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "64")
-    with serve(tiny_vlm_bf16, *flags, log_dir=tmp_path_factory.mktemp("logs")) as s:
+    with serve(model, *flags, log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
 
@@ -116,17 +120,53 @@ def test_out_of_range_parameter_is_400_naming_it(server: Server, field: str, val
         assert field in r.text
 
 
-def test_over_context_prompt_is_400_before_any_prefill(server: Server) -> None:
+def test_a_prompt_over_the_context_is_400_before_any_prefill(server: Server) -> None:
     before = plugin_status(server)["text_engine"]["prompt_tokens_processed"]
     client = server.openai(timeout=120)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # within the host's own cap, over the context
-        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi " * 20}], max_tokens=32768)
-    long_prompt = "alpha beta gamma delta " * 12000  # well over the tiny model's 32768-token context
-    with pytest.raises(openai.BadRequestError, match="context"):
-        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="context"):
-        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=4, stream=True)
+    long_prompt = "alpha beta gamma delta " * 400  # over the module model's context
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=4,
+                                           stream=stream)
+    with pytest.raises(anthropic.BadRequestError, match="context"):
+        server.anthropic(timeout=120).messages.create(model=server.model, max_tokens=4,
+                                                      messages=[{"role": "user", "content": long_prompt}])
     assert plugin_status(server)["text_engine"]["prompt_tokens_processed"] == before
+    wait_idle(server, within=2.0)
+
+
+def filler(server: Server, room: int) -> str:
+    """A user message whose chat prompt leaves about ``room`` tokens of the model's context (its length read
+    from the server: the tiny tokenizer is trained per run)."""
+    def prompt_tokens(repeats: int) -> int:
+        r = server.post("/v1/chat/completions", json=body(server, "alpha beta gamma delta " * repeats, max_tokens=1), timeout=60)
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    a, b = prompt_tokens(8), prompt_tokens(24)
+    repeats = 8 + int((CONTEXT - room - a) * 16 / (b - a))
+    return "alpha beta gamma delta " * repeats
+
+
+def test_max_tokens_over_the_context_is_cut_to_what_the_prompt_leaves(server: Server) -> None:
+    """Coding agents send max_tokens 8000-32000 whatever the prompt: served as the host serves them, generating until
+    the context is full and saying so (finish_reason length, Anthropic max_tokens), on every endpoint."""
+    text = filler(server, room=40)
+    messages = [{"role": "user", "content": text}]
+    client = server.openai(timeout=120)
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=32000, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == CONTEXT and 0 < r.usage.completion_tokens < 100
+    chunks = list(client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=32000, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens == CONTEXT
+    response = client.responses.create(model=server.model, input=text, max_output_tokens=32000, temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens + response.usage.output_tokens == CONTEXT
+    ac = server.anthropic(timeout=120)
+    message = ac.messages.create(model=server.model, max_tokens=32000, messages=messages, extra_body={"temperature": 0})
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) + message.usage.output_tokens == CONTEXT
     wait_idle(server, within=2.0)
 
 

@@ -316,11 +316,13 @@ class RoutingEngine(EngineDecorator):
         return await text.prompts.chat(render, messages, positions=positions)
 
     def _fit_context(self, prompt_tokens: int, options: dict[str, Any]) -> None:
-        """400 before any prefill when the prompt cannot fit the model's context; a default max_tokens is cut to fit."""
-        ctx = asgi.current()
-        explicit = ctx is None or not ctx.body or any(k in ctx.body for k in ("max_tokens", "max_completion_tokens"))
+        """400 before any prefill when the prompt alone cannot fit the model's context; a max_tokens that overflows it
+        is cut to what the prompt leaves (admission then projects the cut one), or refused under --strict-max-tokens
+        when the client set it."""
+        parts = self._attached()
+        strict = parts.strict_max_tokens and _explicit_max_tokens(asgi.current())
         max_tokens = int(options.get("max_tokens") or 256)
-        fitted = fit_to_context(prompt_tokens, max_tokens, self._attached().context_tokens, explicit=explicit)
+        fitted = fit_to_context(prompt_tokens, max_tokens, parts.context_tokens, strict=strict)
         if fitted != max_tokens:
             options["max_tokens"] = fitted
 
@@ -403,6 +405,12 @@ class RoutingEngine(EngineDecorator):
                 engine.abort_now(request_id)
             if ticket is not None:
                 ticket.release()
+
+
+def _explicit_max_tokens(ctx: asgi.RequestContext | None) -> bool:
+    """Whether the client set the request's output limit (a call from outside HTTP passes it itself). The host's
+    /v1/responses handler leaves the body unread here: its ``max_output_tokens`` counts as not set."""
+    return ctx is None or any(k in ctx.body for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
 
 
 def _chat(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> _Call:
