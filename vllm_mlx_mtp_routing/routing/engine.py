@@ -254,6 +254,7 @@ class RoutingEngine(EngineDecorator):
             ticket = await self._admit("media", tokens, call.options, call.priority)
             try:
                 async for out in host_stream(cut_stop_strings(self._host_stream(call), stop_strings_of(call.options))):
+                    host_usage.record(prompt_tokens=out.prompt_tokens or None, finish_reason=out.finish_reason)
                     yield out
             finally:
                 if ticket is not None:
@@ -365,6 +366,7 @@ class RoutingEngine(EngineDecorator):
         self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks
     ) -> AsyncIterator[TextOutput]:
         self._fit_context(len(prompt_ids), options)
+        host_usage.record(prompt_tokens=len(prompt_ids))  # a stream's first event reports it, before any output
         try:
             sampling = sampling_options(options)
             preflight(sampling)
@@ -396,7 +398,7 @@ class RoutingEngine(EngineDecorator):
                 finished = out.finished
                 if sparse.enabled and out.specprefill is None:  # asked for, but the server has no draft
                     out.specprefill = no_draft_outcome(len(prompt_ids))
-                host_usage.record(out.cached_tokens)
+                host_usage.record(cached_tokens=out.cached_tokens, finish_reason=out.finish_reason)
                 if out.logprobs is not None:
                     host_logprobs.record(tokenizer, out)
                 yield out
