@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import statistics
@@ -52,6 +53,15 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+@functools.cache
+def over_context(model: str) -> str:
+    """A prompt longer than the model's context on its own (every word is a token at least): a 400 before any prefill.
+    (A max_tokens past the context is cut to what the prompt leaves, as the host does: not a refusal.)"""
+    config = json.loads((Path(model) / "config.json").read_text())
+    context = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings") or 32768
+    return "alpha beta gamma delta " * (int(context) // 4 + 256)
 
 
 def chat(server: Server, content: object, **kw: object) -> dict:
@@ -110,7 +120,7 @@ async def one(client: httpx.AsyncClient, server: Server, kind: str, rng: random.
         url = rng.choice(["data:image/png;base64,@@notbase64", "data:image/png;base64,QUJDRA=="])
         r = await client.post("/v1/chat/completions", json=chat(server, [{"type": "image_url", "image_url": {"url": url}}], max_tokens=4))
     elif kind == "over_context":
-        r = await client.post("/v1/chat/completions", json=chat(server, text, max_tokens=32768))
+        r = await client.post("/v1/chat/completions", json=chat(server, over_context(server.model), max_tokens=8))
     else:  # bad_json
         r = await client.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
     return kind, r.status_code, r.text[:200] if r.status_code >= 400 else ""

@@ -66,6 +66,8 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
             if name == "uncached":
                 assert stats == {"enabled": False}
                 assert ub.prompt_tokens_details is None or not ub.prompt_tokens_details.cached_tokens
+                r = client.responses.create(model=server.model, input="hello", max_output_tokens=2, temperature=0)
+                assert r.usage.input_tokens_details.cached_tokens == 0
                 continue
             if name == "mtp":  # MTP on: hits as without it, the same greedy output
                 assert stats["hits"] == 3 and _status(server)["mtp"]["steps_with_mtp"] + _status(server)["mtp"]["steps_without_mtp"] > 0
@@ -90,6 +92,24 @@ def test_server_hits_and_matches_the_uncached_server(tiny_vlm_fp32, logs):
             # differ only in a short user message), the reused part is not counted twice
             assert abs(usages[1].input_tokens + reads[1] - usages[0].input_tokens) <= 4
             assert usages[1].input_tokens < usages[0].input_tokens - 100
+            # streamed, the same counts: message_start (held until the first token) and message_delta report them
+            with ac.messages.stream(model=server.model, system=SYSTEM, max_tokens=5,
+                                    messages=[{"role": "user", "content": "Name one test."}]) as stream:
+                start = next(e for e in stream if e.type == "message_start").message.usage
+                streamed = stream.get_final_message().usage
+            prompt = usages[1].input_tokens + reads[1]
+            for u in (start, streamed):
+                assert u.cache_read_input_tokens >= reads[1] and u.input_tokens + u.cache_read_input_tokens == prompt
+            assert streamed.output_tokens == usages[1].output_tokens
+            # /v1/responses, streamed or not: input_tokens_details.cached_tokens
+            responses = [client.responses.create(model=server.model, instructions=SYSTEM, input=q, max_output_tokens=5,
+                                                 temperature=0) for q in ("Which file has main?", "Which file has tests?")]
+            events = list(client.responses.create(model=server.model, instructions=SYSTEM, input="Any docs?",
+                                                  max_output_tokens=5, temperature=0, stream=True))
+            done = next(e for e in events if e.type == "response.completed").response
+            for r in (*responses[1:], done):
+                assert r.usage.input_tokens_details.cached_tokens > 100
+                assert r.usage.input_tokens_details.cached_tokens < r.usage.input_tokens
             admission = _status(server)["admission"]
             assert admission["running"] == 0 and admission["prefix_cache_bytes"] == _status(server)["prefix_cache"]["bytes"]
     assert outputs["cached"] == outputs["uncached"] == outputs["mtp"]

@@ -4,6 +4,7 @@ fails its row alone and the batch carries on; the routing decorator's surface is
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,13 +97,39 @@ def test_validation_accepts_edges() -> None:
 
 
 def test_fit_to_context() -> None:
-    assert fit_to_context(10, 20, 100, explicit=True) == 20
-    assert fit_to_context(90, 256, 100, explicit=False) == 10  # a default is cut to what is left
-    with pytest.raises(RequestRejected, match="max_tokens may be at most 10"):
-        fit_to_context(90, 256, 100, explicit=True)
-    with pytest.raises(RequestRejected, match="context is 100"):
-        fit_to_context(100, 1, 100, explicit=False)
-    assert fit_to_context(10**6, 5, None, explicit=True) == 5
+    assert fit_to_context(10, 20, 100) == 20
+    assert fit_to_context(90, 256, 100) == 10  # cut to what the prompt leaves, as the host does
+    assert fit_to_context(90, 10, 100, strict=True) == 10
+    with pytest.raises(RequestRejected, match="max_tokens may be at most 10"):  # --strict-max-tokens: vLLM's 400
+        fit_to_context(90, 256, 100, strict=True)
+    for strict in (False, True):  # a prompt alone over the context is a 400 either way
+        with pytest.raises(RequestRejected, match="context is 100"):
+            fit_to_context(100, 1, 100, strict=strict)
+    assert fit_to_context(10**6, 5, None, strict=True) == 5
+
+
+def test_the_routing_engine_cuts_max_tokens_unless_strict_and_set_by_the_client() -> None:
+    from vllm_mlx_mtp_routing.host import asgi
+    from vllm_mlx_mtp_routing.routing import RoutingEngine, RoutingSettings, ServingParts
+
+    def fitted(strict: bool, body: dict | None, max_tokens: int = 256) -> int:
+        router = RoutingEngine(SimpleNamespace(is_mllm=True), RoutingSettings())
+        router.attach(ServingParts(tokenizer=None, context_tokens=100, tokens_per_media_item=0, admission=None, text=None,
+                                   text_unavailable="test", strict_max_tokens=strict))
+        options = {"max_tokens": max_tokens}
+        token = asgi.CURRENT.set(asgi.RequestContext(body=body) if body is not None else None)
+        try:
+            router._fit_context(90, options)  # what admission projects and the engine runs with
+        finally:
+            asgi.CURRENT.reset(token)
+        return options["max_tokens"]
+
+    assert fitted(False, {"max_tokens": 256}) == 10
+    assert fitted(True, {"max_tokens": 5}, max_tokens=5) == 5
+    assert fitted(True, {}) == 10  # the host's default (or a /v1/responses body, unread here): cut
+    for body in ({"max_tokens": 256}, {"max_completion_tokens": 256}, {"max_output_tokens": 256}, None):
+        with pytest.raises(RequestRejected, match="max_tokens may be at most 10"):
+            fitted(True, body)
 
 
 def test_routing_engine_serves_or_forwards_every_public_host_method() -> None:

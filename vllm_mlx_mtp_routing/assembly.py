@@ -51,7 +51,10 @@ def assemble(info: ModelInfo, host_engine: Any, settings: RoutingSettings, confi
         )
     except TextModelUnavailable as exc:
         controller = admission_controller(config.admission, info.config, settings)
-        return ServingParts(tokenizer, context, media_tokens, controller, text=None, text_unavailable=str(exc))
+        return ServingParts(
+            tokenizer, context, media_tokens, controller, text=None, text_unavailable=str(exc),
+            strict_max_tokens=config.strict_max_tokens,
+        )
     mtp = mtp_decode(bundle, settings, config, Path(info.model_path).name)
     vocab = int((info.config.get("text_config") or info.config).get("vocab_size") or 1024)
     weights = functools.cache(lambda: fingerprint(bundle.model))  # the calibration file's key and the disk tier's folder
@@ -83,7 +86,7 @@ def assemble(info: ModelInfo, host_engine: Any, settings: RoutingSettings, confi
     )
     logprobs_response.install()
     text = TextPath(engine, budget, mtp, PromptPreparer.create(tokenizer), warm_prefixes, vocab)
-    return ServingParts(tokenizer, context, media_tokens, controller, text=text)
+    return ServingParts(tokenizer, context, media_tokens, controller, text=text, strict_max_tokens=config.strict_max_tokens)
 
 
 def eos_token_ids(model_path: Path, config: dict[str, Any], tokenizer: Any) -> list[int]:

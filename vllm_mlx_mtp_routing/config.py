@@ -43,6 +43,7 @@ class PluginConfig:
     prefix_cache: prefix_settings.PrefixCacheSettings | None = None  # None: the host's defaults, read at load
     warm_prompts: str | None = None  # --warm-prompts: the host's file of prompts sent at start
     specprefill: SpecPrefillConfig | None = None  # with --specprefill on the text path
+    strict_max_tokens: bool = False  # --strict-max-tokens
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PluginConfig:
@@ -63,6 +64,7 @@ class PluginConfig:
             prefix_cache=prefix_cache,
             warm_prompts=getattr(args, "warm_prompts", None),
             specprefill=SpecPrefillConfig(*specprefill) if specprefill is not None else None,
+            strict_max_tokens=bool(getattr(args, "strict_max_tokens", False)),
         )
 
 
@@ -147,5 +149,12 @@ def add_arguments(group: Any) -> None:
         f"{warmup.MAX_BATCH}) (a plain step, and with MTP a verify), then a longer row joins and leaves, so that no request "
         "pays a batch size's first-use kernel compiles and plans (seconds per size on an H100). 'auto' (default): on for a CUDA GPU, off on the CPU "
         "and Metal.",
+    )
+    group.add_argument(
+        "--strict-max-tokens",
+        action="store_true",
+        help="Refuse (400) a request whose explicit max_tokens does not fit the model's context after its prompt, as "
+        "vLLM does. Default: cut it to what the context leaves (the response ends with finish_reason 'length'), as "
+        "vllm-mlx and mlx-lm's server do. A prompt alone over the context is a 400 either way.",
     )
     admission.add_arguments(group)

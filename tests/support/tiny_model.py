@@ -485,6 +485,19 @@ def tiny_model_dir(tmp_root: Path, dtype: str = "float32", placement: str = "sub
     return out
 
 
+def with_context(model: Path, out: Path, context_tokens: int) -> Path:
+    """``model`` seen through a config whose text model has a context of ``context_tokens`` (its
+    ``max_position_embeddings``): its other files linked, not copied. Tests of what fits the context take it."""
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in model.iterdir():
+        if entry.name != "config.json" and not (out / entry.name).exists():
+            (out / entry.name).symlink_to(entry.resolve())
+    config = json.loads((model / "config.json").read_text())
+    config.setdefault("text_config", {})["max_position_embeddings"] = context_tokens
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="PYTHONPATH=tests python -m support.tiny_model",

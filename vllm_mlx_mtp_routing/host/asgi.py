@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..plugin_api.errors import RequestRejected
+from .event_stream import EventStream
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
@@ -39,6 +40,7 @@ logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 HOLD_LIMIT_S = 2.0
 # A stream that never reaches admission (a path the plugin does not admit) is let through after this long.
 UNDECIDED_LIMIT_S = 10.0
+ANTHROPIC_PATH = "/v1/messages"
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"]{1,128})"')
 
 Scope = dict[str, Any]
@@ -60,7 +62,10 @@ class RequestContext:
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
     sibling: Any = None  # a choices.Sibling: this request is one of the n copies of a request
     body_filters: list[Callable[[Message], Message]] = field(default_factory=list)  # amend response bodies on the way out
+    path: str = ""  # the request's path (the middleware's; a copy of an n > 1 request has none)
+    prompt_tokens: int | None = None  # set by usage.record
     cached_tokens: int | None = None  # set by usage.record
+    finish_reason: str | None = None  # set by usage.record
     logprobs: dict[int, Any] | None = None  # set by logprobs_response.record, per choice index
 
 
@@ -153,6 +158,10 @@ class HoldingSend:
     ``UNDECIDED_LIMIT_S`` after its response start, is let through at the next message the host sends
     (its heartbeats come every few seconds): the client then has the response start and keep-alive
     comments, and a later refusal arrives as an error frame and ``[DONE]``.
+
+    Every body goes out through the request's body filters, applied as it leaves (a held event then reads what
+    the engine recorded meanwhile), and a 200 event stream through its ``EventStream`` (its protocol's
+    keep-alive, never a silent end).
     """
 
     def __init__(self, send: Send, ctx: RequestContext) -> None:
@@ -161,20 +170,22 @@ class HoldingSend:
         self._held: list[Message] | None = None
         self._held_since = 0.0
         self._replaced = False
+        self._stream: EventStream | None = None
 
     async def __call__(self, message: Message) -> None:
         if self._replaced:
             return
-        if message["type"] == "http.response.body":
-            for amend in self._ctx.body_filters:
-                message = amend(message)
         if message["type"] == "http.response.start":
             content_type = dict(message.get("headers", [])).get(b"content-type", b"")
             if content_type.startswith(b"text/event-stream"):
                 self._held = [message]
                 self._held_since = time.monotonic()
+                if int(message.get("status", 200)) == 200:
+                    self._stream = EventStream(anthropic=self._ctx.path == ANTHROPIC_PATH, body=self._ctx.body)
                 return
-        elif self._held is not None:
+        elif self._stream is not None and message["type"] == "http.response.body":
+            self._stream.arrived(message)
+        if message["type"] != "http.response.start" and self._held is not None:
             if self._ctx.rejection is not None:
                 self._replaced = True
                 await send_rejection(self._send, self._ctx.rejection)
@@ -188,9 +199,18 @@ class HoldingSend:
             held, self._held = self._held, None
             self._ctx.stream_started = True
             for m in held:
-                await self._send(m)
+                await self._out(m)
             return
-        await self._send(message)
+        await self._out(message)
+
+    async def _out(self, message: Message) -> None:
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        for amend in self._ctx.body_filters:
+            message = amend(message)
+        for m in self._stream.outgoing(message) if self._stream is not None else [message]:
+            await self._send(m)
 
     def _note_response_id(self, message: Message) -> None:
         if self._ctx.response_id is None and message["type"] == "http.response.body":

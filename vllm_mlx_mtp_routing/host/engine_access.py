@@ -99,16 +99,24 @@ def tokens_per_media_item(engine: Any) -> int:
 TIMEOUT_MARGIN_S = 5.0
 
 
+def request_timeout(body: dict[str, Any]) -> float | None:
+    """The host's inactivity timeout for a request: the body's ``timeout``, else ``--timeout`` (server internals:
+    ``_default_timeout``)."""
+    timeout = body.get("timeout") if isinstance(body.get("timeout"), (int, float)) else None
+    if not timeout:
+        from vllm_mlx import server
+
+        timeout = getattr(server, "_default_timeout", None)
+    return float(timeout) if timeout else None
+
+
 def request_wait_limit(body: dict[str, Any]) -> float | None:
     """How long a request may wait for admission before the host's own inactivity timeout would end
-    its stream as an empty 200 (server internals: ``_default_timeout``)."""
-    from vllm_mlx import server
-
-    timeout = body.get("timeout") if isinstance(body.get("timeout"), (int, float)) else None
-    timeout = timeout or getattr(server, "_default_timeout", None)
-    if not timeout:
+    its stream."""
+    timeout = request_timeout(body)
+    if timeout is None:
         return None
-    return max(float(timeout) - TIMEOUT_MARGIN_S, float(timeout) / 2)
+    return max(timeout - TIMEOUT_MARGIN_S, timeout / 2)
 
 
 def host_cache_budget_bytes(cache_memory_mb: int | None, cache_memory_percent: float) -> int:

@@ -25,7 +25,8 @@ class PluginRequestMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ctx = RequestContext(headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])})
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        ctx = RequestContext(headers=headers, path=str(scope.get("path", "")))
         token = CURRENT.set(ctx)
         try:
             if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:

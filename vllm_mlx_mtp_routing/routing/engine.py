@@ -254,6 +254,7 @@ class RoutingEngine(EngineDecorator):
             ticket = await self._admit("media", tokens, call.options, call.priority)
             try:
                 async for out in host_stream(cut_stop_strings(self._host_stream(call), stop_strings_of(call.options))):
+                    host_usage.record(prompt_tokens=out.prompt_tokens or None, finish_reason=out.finish_reason)
                     yield out
             finally:
                 if ticket is not None:
@@ -316,11 +317,13 @@ class RoutingEngine(EngineDecorator):
         return await text.prompts.chat(render, messages, positions=positions)
 
     def _fit_context(self, prompt_tokens: int, options: dict[str, Any]) -> None:
-        """400 before any prefill when the prompt cannot fit the model's context; a default max_tokens is cut to fit."""
-        ctx = asgi.current()
-        explicit = ctx is None or not ctx.body or any(k in ctx.body for k in ("max_tokens", "max_completion_tokens"))
+        """400 before any prefill when the prompt alone cannot fit the model's context; a max_tokens that overflows it
+        is cut to what the prompt leaves (admission then projects the cut one), or refused under --strict-max-tokens
+        when the client set it."""
+        parts = self._attached()
+        strict = parts.strict_max_tokens and _explicit_max_tokens(asgi.current())
         max_tokens = int(options.get("max_tokens") or 256)
-        fitted = fit_to_context(prompt_tokens, max_tokens, self._attached().context_tokens, explicit=explicit)
+        fitted = fit_to_context(prompt_tokens, max_tokens, parts.context_tokens, strict=strict)
         if fitted != max_tokens:
             options["max_tokens"] = fitted
 
@@ -363,6 +366,7 @@ class RoutingEngine(EngineDecorator):
         self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks
     ) -> AsyncIterator[TextOutput]:
         self._fit_context(len(prompt_ids), options)
+        host_usage.record(prompt_tokens=len(prompt_ids))  # a stream's first event reports it, before any output
         try:
             sampling = sampling_options(options)
             preflight(sampling)
@@ -394,7 +398,7 @@ class RoutingEngine(EngineDecorator):
                 finished = out.finished
                 if sparse.enabled and out.specprefill is None:  # asked for, but the server has no draft
                     out.specprefill = no_draft_outcome(len(prompt_ids))
-                host_usage.record(out.cached_tokens)
+                host_usage.record(cached_tokens=out.cached_tokens, finish_reason=out.finish_reason)
                 if out.logprobs is not None:
                     host_logprobs.record(tokenizer, out)
                 yield out
@@ -403,6 +407,12 @@ class RoutingEngine(EngineDecorator):
                 engine.abort_now(request_id)
             if ticket is not None:
                 ticket.release()
+
+
+def _explicit_max_tokens(ctx: asgi.RequestContext | None) -> bool:
+    """Whether the client set the request's output limit (a call from outside HTTP passes it itself). The host's
+    /v1/responses handler leaves the body unread here: its ``max_output_tokens`` counts as not set."""
+    return ctx is None or any(k in ctx.body for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
 
 
 def _chat(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> _Call:

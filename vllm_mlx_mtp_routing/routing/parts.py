@@ -40,6 +40,7 @@ class ServingParts:
     admission: AdmissionController | None
     text: TextPath | None
     text_unavailable: str | None = None
+    strict_max_tokens: bool = False  # --strict-max-tokens: an explicit max_tokens over the context is a 400, not cut
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.text_unavailable is None):

@@ -171,11 +171,12 @@ def validate_parameters(*sources: Mapping[str, Any]) -> None:
                 check(value)
 
 
-def fit_to_context(prompt_tokens: int, max_tokens: int, context_tokens: int | None, *, explicit: bool) -> int:
-    """The max_tokens to run with, or RequestRejected(400) when the prompt cannot fit the model's context.
+def fit_to_context(prompt_tokens: int, max_tokens: int, context_tokens: int | None, *, strict: bool = False) -> int:
+    """The max_tokens to run with, or RequestRejected(400) when the prompt alone cannot fit the model's context.
 
-    An explicit ``max_tokens`` that overflows the context is the client's to fix; a default one is cut
-    to what is left (as vLLM does), so a client that never set it is not refused for the server's default.
+    A ``max_tokens`` that overflows the context is cut to what the prompt leaves, as vllm-mlx and mlx-lm's
+    server do: the response ends with ``length`` when the context runs out. ``strict`` (an explicit
+    ``max_tokens`` under ``--strict-max-tokens``) refuses the overflow instead, as vLLM does.
     """
     if not context_tokens:
         return max_tokens
@@ -186,7 +187,7 @@ def fit_to_context(prompt_tokens: int, max_tokens: int, context_tokens: int | No
     room = context_tokens - prompt_tokens
     if max_tokens <= room:
         return max_tokens
-    if explicit:
+    if strict:
         raise RequestRejected(
             400,
             f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
