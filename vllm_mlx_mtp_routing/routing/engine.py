@@ -362,6 +362,8 @@ class RoutingEngine(EngineDecorator):
     async def _text_stream(
         self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks
     ) -> AsyncIterator[TextOutput]:
+        if not prompt_ids:  # an empty completion prompt: nothing to continue from
+            raise RequestRejected(400, "prompt must not be empty")
         self._fit_context(len(prompt_ids), options)
         try:
             sampling = sampling_options(options)

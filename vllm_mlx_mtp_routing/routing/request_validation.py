@@ -116,6 +116,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "repetition_penalty": _repetition_penalty,
     "max_tokens": _max_tokens("max_tokens"),
     "max_completion_tokens": _max_tokens("max_completion_tokens"),
+    "max_output_tokens": _max_tokens("max_output_tokens"),  # /v1/responses
     "stop": _stop("stop"),
     "stop_sequences": _stop("stop_sequences"),
     "top_logprobs": _top_logprobs,
