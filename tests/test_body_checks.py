@@ -84,7 +84,9 @@ def test_chat_parts_completion_prompts_and_parameters() -> None:
     body_checks.check("/v1/completions", {"model": "m", "prompt": ["a", "b"]})
     for value in (0, False, -1, 1.5):
         assert refused(body_checks.check, "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": value}).startswith("max_output_tokens")
-    body_checks.check("/v1/chat/completions", {**chat, "temperature": 0.5})
+    for salt in ("", "s" * 257, 5, True, ["a"]):
+        assert refused(body_checks.check, "/v1/responses", {"model": "m", "input": "hi", "cache_salt": salt}).startswith("cache_salt")
+    body_checks.check("/v1/chat/completions", {**chat, "cache_salt": "s" * 256, "temperature": 0.5})
     assert refused(body_checks.check, MESSAGES, {**ANTHROPIC, "temperature": -1}).startswith("temperature")
 
 

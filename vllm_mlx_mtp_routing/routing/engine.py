@@ -391,6 +391,7 @@ class RoutingEngine(EngineDecorator):
                 on_joined=ticket.prefill_done if ticket is not None else None,
                 share=sibling.share if sibling is not None else None,  # OpenAI n: the rows prefill once
                 specprefill=sparse,
+                cache_salt=options.get("cache_salt"),
             )
             async for out in engine.stream(request_id):
                 finished = out.finished
