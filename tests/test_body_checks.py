@@ -75,7 +75,8 @@ def test_anthropic_content_blocks_missing_their_fields(block: dict[str, Any], fi
 def test_chat_parts_completion_prompts_and_parameters() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     body_checks.check("/v1/chat/completions", chat)
-    for part in ({"type": "text"}, {"type": "image_url"}, {"type": "image_url", "image_url": {"detail": "low"}}, "text", 3):
+    for part in ({"type": "text"}, {"type": "image_url"}, {"type": "image_url", "image_url": {"detail": "low"}}, "text", 3,
+                 {"text": "no type"}, {"type": ["text"], "text": "hi"}):
         message = refused(body_checks.check, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [part]}]})
         assert message.startswith("messages[0].content[0]")
     body_checks.check("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:x"}]}]})
@@ -99,8 +100,20 @@ def test_chat_parts_completion_prompts_and_parameters() -> None:
     ({"type": "function_call_output", "call_id": "c", "output": {"x": 1}}, "input[0].output"),
     ({"type": "reasoning", "content": 7}, "input[0].content"),
     ({"type": "reasoning", "content": [{"type": "reasoning_text", "text": None}]}, "input[0].content[0].text"),
+    ({"type": "message", "role": "user", "content": [{"type": [None], "text": "0"}]}, "input[0].content[0].type"),
 ])
 def test_responses_items_the_host_would_convert_blindly(item: dict[str, Any], field: str) -> None:
     body = {"model": "m", "input": [{"role": "user", "content": "hi"}]}
     body_checks.check("/v1/responses", body)
     assert refused(body_checks.check, "/v1/responses", {**body, "input": [item]}).startswith(field)
+
+
+@pytest.mark.parametrize("raw,field", [
+    (b'{"input": [Infinity, false]}', "input[0]"),
+    (b'{"messages": [{"content": {"a": NaN}}]}', "messages[0].content.a"),
+    (b'{"temperature": -1e999}', "temperature"),
+])
+def test_a_number_json_has_not_is_refused(raw: bytes, field: str) -> None:
+    """The host's own 422 echoes the value, and its JSON response cannot write a NaN: a 500."""
+    message = refused(request_body.parse, raw)
+    assert message.startswith(field) and "not a JSON number" in message

@@ -131,6 +131,7 @@ def test_bodies_that_are_not_json_objects_are_400_on_every_endpoint(server: Serv
         (b"[" * 10_000 + b"]" * 10_000, "nested deeper"),
         (json.dumps({**good, "metadata": json.loads("[" * 100 + "]" * 100)}).encode(), "nested deeper"),
         (b'"hello"', "JSON object"),
+        (json.dumps({**good, "extra": [float("nan")]}).encode(), "not a JSON number"),  # the host's 422 could not write it
     ]:
         assert_refused(server, path, field, content=raw)
 

@@ -111,9 +111,9 @@ def _chat_parts(messages: Any) -> None:
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             where = f"messages[{i}].content[{j}]"
-            if not isinstance(part, dict):
-                _reject(f"{where} must be a content part (an object with a type)")
-            kind = part.get("type")
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                _reject(f"{where} must be a content part (an object with a type, a string)")
+            kind = part["type"]
             if kind == "text" and not isinstance(part.get("text"), str):
                 _reject(f"{where}: a text part needs its text (a string)")
             if kind in URL_PARTS and not _url(part.get(kind)):
@@ -152,5 +152,9 @@ def _responses_content(content: Any, where: str, *, reasoning: bool) -> None:
     if not isinstance(content, list):
         _reject(f"{where} must be a {'' if reasoning else 'string or a '}list of content parts")
     for k, part in enumerate(content):
-        if isinstance(part, dict) and (reasoning or part.get("type") in RESPONSES_TEXT_PARTS) and not isinstance(part.get("text", ""), str):
+        if not isinstance(part, dict):
+            continue  # skipped by the host's conversion
+        if not isinstance(part.get("type", ""), str):
+            _reject(f"{where}[{k}].type must be a string")
+        if (reasoning or part.get("type") in RESPONSES_TEXT_PARTS) and not isinstance(part.get("text", ""), str):
             _reject(f"{where}[{k}].text must be a string")

@@ -2,13 +2,16 @@
 replayed unchanged to the handler, or with the OpenAI aliases vllm-mlx 0.6.0 does not know filled in.
 
 A body that is not a JSON object the handlers can read is a 400 here: vllm-mlx 0.6.0's Anthropic handlers
-parse the body themselves and answer 500 for invalid JSON, and text holding a lone surrogate (a JSON
-``\\ud800`` escape, or its UTF-8 bytes, which ``json.loads`` lets through) breaks the tokenizer.
+parse the body themselves and answer 500 for invalid JSON, text holding a lone surrogate (a JSON
+``\\ud800`` escape, or its UTF-8 bytes, which ``json.loads`` lets through) breaks the tokenizer, and a NaN or
+an infinity (``NaN``, ``Infinity``, ``1e999``: ``json.loads`` reads them, JSON has none) turns the host's own
+422 into a 500 (its error body echoes the value, which its JSON response cannot write).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -54,7 +57,7 @@ def parse(raw: bytes) -> dict[str, Any] | None:
 
 def check_text(body: dict[str, Any]) -> None:
     """RequestRejected(400) naming the field: nesting deeper than MAX_DEPTH, a lone surrogate in a key or a
-    string. Walked without recursion (a deep body is what it refuses)."""
+    string, a number that is not finite. Walked without recursion (a deep body is what it refuses)."""
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]
     while stack:
         value, where, depth = stack.pop()
@@ -67,6 +70,8 @@ def check_text(body: dict[str, Any]) -> None:
                 stack.append((item, field, depth + 1))
         elif isinstance(value, list):
             stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise RequestRejected(400, f"{where or 'request body'}: {value} is not a JSON number")
         else:
             _check_string(where, value)
 
