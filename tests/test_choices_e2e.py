@@ -222,6 +222,18 @@ def test_client_gone_mid_stream_frees_every_row(server: Server) -> None:
     assert stats["text_engine"]["running"] == stats["text_engine"]["waiting"] == 0 and stats["admission"]["running"] == 0
 
 
+def test_n_copies_of_several_equal_prompts_all_finish(server: Server) -> None:
+    """Each copy runs its prompts in turn, so a copy's second prompt comes after the n rows shared the first one's
+    prefill; it waited for that prefill's leader, long gone (a hang)."""
+    body = {"model": server.model, "prompt": [PROMPT, PROMPT], "n": 2, "max_tokens": 3, "temperature": 0}
+    r = server.post("/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2, 3] and len({c["text"] for c in choices}) == 1
+    stats = plugin_stats(server)
+    assert stats["text_engine"]["prefilling"] == stats["text_engine"]["running"] == stats["admission"]["running"] == 0
+
+
 def test_n_choices_carry_the_requests_own_options(server, client, reference) -> None:
     """Each choice is a whole copy of the request: logit_bias, penalties and logprobs apply to every choice,
     each choice with its own processor state, streamed or not, with no fallback."""

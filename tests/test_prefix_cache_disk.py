@@ -30,8 +30,8 @@ USERS = [_tokens(12, 20 + i) for i in range(5)]
 OPTS = SamplingOptions(max_tokens=8)
 
 
-def run(bundle, tok, prompt, cache=None, marks=None):
-    job = (0, prompt, OPTS) if marks is None else (0, prompt, OPTS, marks)
+def run(bundle, tok, prompt, cache=None, marks=None, salt=None):
+    job = (0, prompt, OPTS, marks or [], salt)
     finals, _ = run_schedule(bundle.model, tok, [job], max_num_seqs=2, prefill_step_size=16, prefix_cache=cache)
     return finals[0]
 
@@ -54,6 +54,22 @@ def test_system_prefix_survives_a_restart(tiny, tmp_path):
     assert out.token_ids == run(bundle, tok, prompt).token_ids
     stats = again.stats()
     assert stats["disk_hits"] == 1 and stats["disk"]["loaded"] == 1 and stats["entries"] >= 1  # back in memory
+
+
+def test_a_salted_snapshot_is_read_back_into_its_salt_only(tiny, tmp_path):
+    bundle, tok = tiny
+    first = PrefixCache(bundle.model, 64 * MB, disk=tier(bundle, tmp_path))
+    run(bundle, tok, SYSTEM + USERS[0], first, marks=[(len(SYSTEM), "system")], salt="tenant-a")
+    assert first.disk.stats()["written"] == 1  # the system block, written through in tenant-a's space
+    (path,) = first.disk.dir.glob("*.safetensors")
+    assert b"tenant-a" not in path.read_bytes()  # a digest of the salt, never the salt
+    again = PrefixCache(bundle.model, 64 * MB, disk=tier(bundle, tmp_path))  # a restart: the index from the headers
+    prompt = SYSTEM + USERS[1]
+    assert run(bundle, tok, prompt, again, salt="tenant-b").cached_tokens == 0
+    assert run(bundle, tok, prompt, again).cached_tokens == 0
+    out = run(bundle, tok, prompt, again, salt="tenant-a")
+    assert out.cached_tokens == len(SYSTEM) and again.stats()["disk_hits"] == 1
+    assert out.token_ids == run(bundle, tok, prompt).token_ids
 
 
 def test_evicted_snapshots_spill_and_come_back_exactly(tiny, tmp_path):

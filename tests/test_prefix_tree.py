@@ -90,10 +90,10 @@ def test_eviction_prunes_and_merges_nodes():
     tokens = [1, 2, 3, 4] if live is a else [1, 2, 5, 6]
     assert t.longest(tokens + [0]) is live
     # after the merge, the root has one child whose edge is the whole surviving path
-    (child,) = t._root.children.values()
+    (child,) = t._roots[None].children.values()
     assert child.edge == tuple(tokens)
     t.evict_to(0)
-    assert len(t) == 0 and t.nbytes == 0 and not t._root.children
+    assert len(t) == 0 and t.nbytes == 0 and not t._roots  # the last entry's space went with it
 
 
 def test_many_random_inserts_stay_consistent():
@@ -114,3 +114,22 @@ def test_many_random_inserts_stay_consistent():
         e = t.longest(s)
         if e is not None:
             assert t.get(s, e.length) is e
+
+
+def test_spaces_never_share_entries_and_an_empty_space_leaves_no_root():
+    t = PrefixTree(40)
+    a = t.insert([1, 2, 3, 4], 4, "system", P(10), space="A")
+    assert a.space == "A" and t.tokens(a) == [1, 2, 3, 4]
+    assert t.longest([1, 2, 3, 4, 5]) is None and t.longest([1, 2, 3, 4, 5], space="B") is None
+    assert t.longest([1, 2, 3, 4, 5], space="A") is a and t.get([1, 2, 3, 4], 4, "A") is a and t.get([1, 2, 3, 4], 4) is None
+    plain = t.insert([1, 2, 3, 4], 4, "prompt", P(10))  # the same tokens unsalted: an entry of its own
+    assert plain is not a and plain.space is None and len(t) == 2 and t.longest([1, 2, 3, 4, 5]) is plain
+    with pytest.raises(ValueError, match="same space"):
+        t.insert([1, 2, 3, 4, 5, 6], 6, "prompt", P(10), base=a)  # a base of another space
+    b = t.insert([1, 2, 3, 4, 5, 6], 6, "prompt", P(10), base=a, space="A")
+    assert t.longest([1, 2, 3, 4, 5, 6, 7], space="A") is b and b.chain() == [a, b]
+    # The budget is shared: many salts evict each other's entries, and a space goes with its last entry.
+    for i in range(20):
+        t.insert([9, i], 2, "prompt", P(10), space=f"s{i}")
+    assert len(t) == 4 and set(t._roots) == {e.space for e in t.entries()}  # no root without an entry
+    assert t.longest([9, 19], space="s19") is not None and t.longest([9, 19]) is None and t.longest([9, 19], space="s18") is None

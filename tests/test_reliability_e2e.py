@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anthropic
@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from support.plugin_status import SHARED_FLAGS, plugin_status, wait_idle
 from support.server import Server, serve
 from support.tiny_model import with_context
 
@@ -28,32 +29,9 @@ TIMEOUT_PROMPT_REPEATS = 1000  # ~10K tokens: a prefill that outlasts a 1 s --ti
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tiny_vlm_bf16: Path, shared_server: Callable[..., Server], tmp_path_factory: pytest.TempPathFactory) -> Server:
     model = with_context(tiny_vlm_bf16, tmp_path_factory.mktemp("context") / tiny_vlm_bf16.name, CONTEXT)
-    flags = ("--plugins", "mtp-routing", "--continuous-batching", "--mllm", "--max-num-seqs", "4", "--prefill-step-size", "64")
-    with serve(model, *flags, log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
-
-
-def plugin_status(server: Server) -> dict:
-    return server.get("/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
-
-
-def counters(server: Server) -> tuple[int, ...]:
-    s = plugin_status(server)
-    a, t = s["admission"], s["text_engine"]
-    return a["running"], a["queued"], a["reserved_bytes"], t["running"], t["prefilling"], t["waiting"]
-
-
-def wait_idle(server: Server, within: float) -> float:
-    """Seconds until every counter is 0; fails after ``within``."""
-    t0 = time.monotonic()
-    while True:
-        c = counters(server)
-        if c == (0,) * 6:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < within, f"counters not back to 0 after {within}s: {c}"
-        time.sleep(0.05)
+    return shared_server(model, *SHARED_FLAGS)  # the shared flags, on a model whose context a prompt can fill cheaply
 
 
 def body(server: Server, content: str, **kw: object) -> dict:

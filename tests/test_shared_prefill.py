@@ -84,3 +84,21 @@ def test_a_different_prompt_prefills_alone(tiny):
                            TextRequest("b", other, _opts(None, 0.0), share=share)]})
     assert out["b"] == _run(_scheduler(bundle, tok, False), {0: [TextRequest("x", other, _opts(None, 0.0))]})["x"]
     assert sched.prompt_tokens == 2 * (len(PROMPT) - 1)
+
+
+def test_rows_past_the_n_of_a_request_of_several_equal_prompts_never_wait(tiny):
+    """A completion of prompts [P, P] with n=2: each copy runs its prompts one after another, four rows on one
+    SharedPrefill(2). The later rows came after the sharing was over and waited for a leader gone long ago."""
+    bundle, tok = tiny
+    greedy = _alone(bundle, tok, _opts(None, 0.0), False)
+    share = SharedPrefill(2)
+    sched = _scheduler(bundle, tok, False)
+    reqs = [TextRequest(str(i), PROMPT, _opts(None, 0.0), share=share) for i in range(4)]
+    arrivals, finals = {0: reqs[:2], 20: reqs[2:3], 24: reqs[3:]}, {}
+    for step in range(200):
+        for req in arrivals.pop(step, []):
+            sched.add(req)
+        finals |= {out.request_id: out.token_ids for out in sched.step() if out.finished}
+        if not arrivals and not sched.has_work():
+            break
+    assert finals == {str(i): greedy for i in range(4)}

@@ -143,10 +143,14 @@ def with_body_length(scope: Scope, length: int) -> Scope:
 
 
 async def send_rejection(send: Send, exc: RequestRejected) -> None:
-    body = json.dumps(error_body(exc)).encode()
+    await send_json(send, exc.status_code, error_body(exc), error_headers(exc))
+
+
+async def send_json(send: Send, status: int, content: Any, extra_headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(content).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
-    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra_headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -1,8 +1,9 @@
 """The ASGI middleware the bridge adds to the host's app: every HTTP request gets its context (asgi.py).
 
-A generation request's body is read before the host's handler runs (request_body.py): its JSON is kept on the
-context for the hooks, and a request for n > 1 choices is served as n copies, each with its own context
-(choices.py).
+A generation request's body is read before the host's handler runs (request_body.py) and checked
+(body_checks.py): a body the handler would trip over is a 400 naming the field, after the host's own
+access checks (access.py). Its JSON is kept on the context for the hooks, and a request for n > 1 choices
+is served as n copies, each with its own context (choices.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import json
 from typing import Any
 
 from ..plugin_api.errors import RequestRejected
-from . import choices, request_body
-from .asgi import CURRENT, HoldingSend, RequestContext, Scope, Send, end_request, send_rejection, with_body_length
+from . import access, body_checks, choices, request_body
+from .asgi import CURRENT, HoldingSend, RequestContext, Scope, Send, end_request, send_json, send_rejection, with_body_length
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+# Bodies read and checked before the host's handler; the OpenAI aliases are filled in on the generation paths only.
+CHECKED_PATHS = (*GENERATION_PATHS, "/v1/responses", "/v1/messages/count_tokens")
 
 
 class PluginRequestMiddleware:
@@ -29,7 +32,7 @@ class PluginRequestMiddleware:
         ctx = RequestContext(headers=headers, path=str(scope.get("path", "")))
         token = CURRENT.set(ctx)
         try:
-            if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
+            if scope.get("method") == "POST" and scope.get("path") in CHECKED_PATHS:
                 await self._generation(scope, receive, send, ctx)
             else:
                 await self.app(scope, receive, send)
@@ -38,20 +41,32 @@ class PluginRequestMiddleware:
             CURRENT.reset(token)
 
     async def _generation(self, scope: Scope, receive: Any, send: Send, ctx: RequestContext) -> None:
-        """The body is read first: its JSON is kept for the hooks, OpenAI aliases the host lacks are
-        filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
+        """The body is read and checked first: its JSON is kept for the hooks, OpenAI aliases the host
+        lacks are filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
+        path = scope["path"]
         raw = await request_body.read(receive)
-        body = request_body.parse(raw)
-        if body is not None and request_body.fill_aliases(body):
+        try:
+            body = request_body.parse(raw)
+            if body is not None:
+                body_checks.check(path, body)
+            n = choices.requested(path, body or {})
+        except RequestRejected as exc:
+            await _refuse(scope, send, exc)
+            return
+        if body is not None and path in GENERATION_PATHS and request_body.fill_aliases(body):
             raw = json.dumps(body).encode()
             scope = with_body_length(scope, len(raw))
         ctx.body = body or {}
-        try:
-            n = choices.requested(scope["path"], ctx.body)
-        except RequestRejected as exc:
-            await send_rejection(send, exc)
-            return
         if n > 1:
             await choices.fan_out(self.app, scope, ctx.body, n, ctx, receive, send)
             return
         await self.app(scope, request_body.replay(raw, receive), HoldingSend(send, ctx))
+
+
+async def _refuse(scope: Scope, send: Send, exc: RequestRejected) -> None:
+    """The plugin's refusal of a body, unless the host's own access checks refuse the request first."""
+    denied = await access.refusal(scope)
+    if denied is not None:
+        await send_json(send, denied.status_code, {"detail": denied.detail}, dict(denied.headers or {}))
+        return
+    await send_rejection(send, exc)

@@ -2,11 +2,15 @@
 
 The scheduler calls three things (text_engine/batch.py):
 
-- ``lookup(prompt_ids, max_len)`` when a request starts its prefill: the longest cached prefix
+- ``lookup(prompt_ids, max_len, salt)`` when a request starts its prefill: the longest cached prefix
   restored into a fresh ``PrefillState`` (copy-on-hit: the entry is never written), or None;
-- ``save(tokens, kind, state)`` after a prefill chunk that ends at a snapshot position, and at the
+- ``save(tokens, kind, state, salt)`` after a prefill chunk that ends at a snapshot position, and at the
   end of a generation from the finished row of the decode batch;
 - ``stats()``.
+
+A request's ``cache_salt`` keys both: its snapshots go to the salt's own space of the tree (and of the disk
+tier), so a request with another salt, or none, never reads them (whether a prompt was seen shows in how
+fast a request starts).
 
 Gated-delta state cannot be cut back, so a hit resumes exactly where a snapshot was taken; the
 positions are chosen from the chat structure (``boundaries.py``) and the prefill's chunks are cut
@@ -15,6 +19,7 @@ there, so snapshots cost no extra forward pass.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +33,11 @@ from .disk_tier import DiskTier
 from .tree import Entry, PrefixTree
 
 logger = logging.getLogger(__name__)
+
+
+def space_of(salt: str | None) -> str | None:
+    """The tree space of a request's cache salt: a digest, so that no file of the disk tier holds a salt."""
+    return None if salt is None else hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass
@@ -65,11 +75,12 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self.tree.nbytes
 
-    def lookup(self, tokens: Sequence[int], max_len: int) -> Hit | None:
+    def lookup(self, tokens: Sequence[int], max_len: int, salt: str | None = None) -> Hit | None:
         self.lookups += 1
-        entry = self.tree.longest(tokens, max_len) if max_len > 0 else None
+        space = space_of(salt)
+        entry = self.tree.longest(tokens, max_len, space=space) if max_len > 0 else None
         if self.disk is not None:
-            on_disk = self.disk.longest(tokens, max_len)
+            on_disk = self.disk.longest(tokens, max_len, space)
             if on_disk is not None and (entry is None or on_disk.length > entry.length):
                 hit = self._from_disk(tokens, on_disk)
                 if hit is not None:
@@ -97,7 +108,7 @@ class PrefixCache:
             return None
         state = snapshot.restore([snap], self.model.make_cache(), self.with_head)
         # Back in memory (whole, no base), where the conversation's next snapshots can extend it.
-        self.tree.insert(tokens, snap.length, on_disk.kind, snap)
+        self.tree.insert(tokens, snap.length, on_disk.kind, snap, space=on_disk.space)
         self.disk_hits += 1
         return self._hit(snap.length, state, on_disk.kind)
 
@@ -112,43 +123,44 @@ class PrefixCache:
         """The tree is evicting ``entry`` from memory: keep it on disk (if it is not there yet)."""
         assert self.disk is not None  # the eviction hook is set only with a disk tier
         tokens = self.tree.tokens(entry)
-        if self.disk.has(tokens, entry.length):
+        if self.disk.has(tokens, entry.length, entry.space):
             return
         try:
-            self.disk.save(tokens, entry.kind, self._whole(entry))
+            self.disk.save(tokens, entry.kind, self._whole(entry), entry.space)
         except Exception:  # noqa: BLE001 - the eviction goes on; only the disk copy is lost
             logger.exception("prefix cache: spilling a %d-token snapshot to disk failed", entry.length)
 
     def count_prefilled(self, n: int) -> None:
         self.prefilled_tokens += n
 
-    def save(self, tokens: Sequence[int], kind: str, state: PrefillState) -> bool:
-        """Snapshot a state holding tokens[:state.prefilled]; False when it is not kept (already
-        there, no room)."""
+    def save(self, tokens: Sequence[int], kind: str, state: PrefillState, salt: str | None = None) -> bool:
+        """Snapshot a state holding tokens[:state.prefilled] (in ``salt``'s space); False when it is not kept
+        (already there, no room)."""
         length = state.prefilled
         if length <= 0 or self.tree.budget_bytes <= 0:
             return False
-        existing = self.tree.get(tokens, length)
+        space = space_of(salt)
+        existing = self.tree.get(tokens, length, space)
         if existing is not None:
-            self.tree.insert(tokens, length, kind, existing.payload)  # refreshed, its class maybe raised
+            self.tree.insert(tokens, length, kind, existing.payload, space=space)  # refreshed, its class maybe raised
             return False
-        base = self.tree.longest(tokens, length - 1)
+        base = self.tree.longest(tokens, length - 1, space=space)
         if base is not None:
             self.tree.pin(base)
         try:
             snap = snapshot.take(state, base.payload if base is not None else None)
-            entry = self.tree.insert(tokens, length, kind, snap, base=base)
+            entry = self.tree.insert(tokens, length, kind, snap, base=base, space=space)
         finally:
             if base is not None:
                 self.tree.unpin(base)
         if entry is None:
             logger.debug("prefix cache: a %d-token %s snapshot (%d bytes) does not fit", length, kind, snap.nbytes)
-            if self.disk is not None and not self.disk.has(tokens, length):
-                self.disk.save(tokens, kind, snap if base is None else snapshot.take(state, None))
+            if self.disk is not None and not self.disk.has(tokens, length, space):
+                self.disk.save(tokens, kind, snap if base is None else snapshot.take(state, None), space)
             return False
         self.saved += 1
-        if self.disk is not None and kind == "system" and not self.disk.has(tokens, length):
-            self.disk.save(tokens, kind, self._whole(entry))  # the longest-lived prefixes survive a restart
+        if self.disk is not None and kind == "system" and not self.disk.has(tokens, length, space):
+            self.disk.save(tokens, kind, self._whole(entry), space)  # the longest-lived prefixes survive a restart
         return True
 
     def clear(self) -> None:

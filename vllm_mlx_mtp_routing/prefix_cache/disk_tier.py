@@ -6,8 +6,9 @@ file), as one safetensors file whose metadata holds its token ids, kind and layo
 finds a longer prefix here than in memory reads it back; the files survive a restart (the index is
 rebuilt from their headers at start-up, without reading the arrays). Files live under
 ``DIR/mtp-routing/<model fingerprint>/`` so another model (or the host's own SSD cache in DIR) never
-reads them; a file that does not parse is skipped with a warning. Eviction on disk is
-least-recently-used within the same retention classes as in memory, by bytes against the budget.
+reads them; a file that does not parse is skipped with a warning. A salted request's snapshot keeps its space (a
+digest of the salt, never the salt) in its metadata and its name, and is read back into that space only. Eviction
+on disk is least-recently-used within the same retention classes as in memory, by bytes against the budget.
 
 Writes and reads run on the thread that runs the text engine (a 4K-token snapshot of a 2B model is
 ~70 MB); they happen on an eviction and on a disk hit, never per token.
@@ -118,7 +119,8 @@ class DiskTier:
                 if meta.get("format") != FORMAT:
                     raise ValueError(f"format {meta.get('format')!r}")
                 tokens = [int(t) for t in meta["tokens"].split(",")]
-                entry = self.index.insert(tokens, len(tokens), meta["kind"], DiskRef(path, path.stat().st_size))
+                space = meta.get("space") or None  # files written before spaces are unsalted
+                entry = self.index.insert(tokens, len(tokens), meta["kind"], DiskRef(path, path.stat().st_size), space=space)
                 if entry is None:
                     path.unlink(missing_ok=True)  # over the budget (it shrank since the last run)
             except Exception as e:  # noqa: BLE001 - a foreign or damaged file is skipped, not fatal
@@ -130,28 +132,29 @@ class DiskTier:
     def _delete(self, entry: Entry) -> None:
         entry.payload.path.unlink(missing_ok=True)
 
-    def longest(self, tokens: Sequence[int], max_len: int) -> Entry | None:
-        return self.index.longest(tokens, max_len) if max_len > 0 else None
+    def longest(self, tokens: Sequence[int], max_len: int, space: str | None = None) -> Entry | None:
+        return self.index.longest(tokens, max_len, space=space) if max_len > 0 else None
 
-    def has(self, tokens: Sequence[int], length: int) -> bool:
-        return self.index.get(tokens, length) is not None
+    def has(self, tokens: Sequence[int], length: int, space: str | None = None) -> bool:
+        return self.index.get(tokens, length, space) is not None
 
     # -- files ----------------------------------------------------------------------------------
 
-    def save(self, tokens: Sequence[int], kind: str, snap: Snapshot) -> bool:
-        """Write a whole snapshot of tokens[:snap.length]; False when it is not kept."""
+    def save(self, tokens: Sequence[int], kind: str, snap: Snapshot, space: str | None = None) -> bool:
+        """Write a whole snapshot of tokens[:snap.length] in ``space``; False when it is not kept."""
         prefix = list(tokens[: snap.length])
-        if self.index.get(prefix, snap.length) is not None:
-            self.index.insert(prefix, snap.length, kind, None)  # refresh (the payload is not replaced)
+        if self.index.get(prefix, snap.length, space) is not None:
+            self.index.insert(prefix, snap.length, kind, None, space=space)  # refresh (the payload is not replaced)
             return True
         tic = time.perf_counter()
-        name = hashlib.sha256(struct.pack(f"<{len(prefix)}I", *prefix)).hexdigest()[:32] + ".safetensors"
+        key = (space or "").encode() + struct.pack(f"<{len(prefix)}I", *prefix)
+        name = hashlib.sha256(key).hexdigest()[:32] + ".safetensors"
         path = self.dir / name
         tmp = self.dir / (name + PARTIAL)
         try:
             arrays, (layout, head) = _encode(snap)
             meta = {"format": FORMAT, "kind": kind, "tokens": ",".join(map(str, prefix)),
-                    "layout": json.dumps(layout), "head": json.dumps(head)}
+                    "layout": json.dumps(layout), "head": json.dumps(head), "space": space or ""}
             mx.save_safetensors(str(tmp), arrays, metadata=meta)
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - a full or read-only disk loses the snapshot, nothing else
@@ -159,7 +162,7 @@ class DiskTier:
             self.write_errors += 1
             logger.warning("mtp-routing: prefix cache on disk: could not write a %d-token snapshot (%s)", snap.length, e)
             return False
-        entry = self.index.insert(prefix, snap.length, kind, DiskRef(path, path.stat().st_size))
+        entry = self.index.insert(prefix, snap.length, kind, DiskRef(path, path.stat().st_size), space=space)
         if entry is None:
             path.unlink(missing_ok=True)
             return False

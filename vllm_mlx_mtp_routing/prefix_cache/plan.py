@@ -27,14 +27,14 @@ class SnapshotPlan:
 
     @classmethod
     def start(cls, cache: PrefixCache | None, seq: Row) -> SnapshotPlan:
-        """Look the prompt up; a hit becomes the row's ``PrefillState`` (the text engine's insert
-        API, validated as ``BatchScheduler.add(restored=...)`` does)."""
+        """Look the prompt up among its cache salt's entries; a hit becomes the row's ``PrefillState`` (the text
+        engine's insert API, validated as ``BatchScheduler.add(restored=...)`` does)."""
         prompt_ids = seq.req.prompt_ids
         to_prefill = len(prompt_ids) - 1
         # A state restored by someone else (a sparse prefill) is left alone.
         if cache is None or to_prefill <= 0 or seq.prefilled or (seq.prefill is not None and seq.prefill.position):
             return cls(None, {})
-        hit = cache.lookup(prompt_ids, to_prefill)
+        hit = cache.lookup(prompt_ids, to_prefill, seq.req.cache_salt)
         restored = 0
         if hit is not None:
             hit.state.check(len(prompt_ids))
@@ -69,7 +69,7 @@ class SnapshotPlan:
             return
         assert seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
         try:
-            self.cache.save(seq.req.prompt_ids, kind, seq.prefill)
+            self.cache.save(seq.req.prompt_ids, kind, seq.prefill, seq.req.cache_salt)
         except Exception:  # a snapshot is an optimisation: the request goes on without it
             logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
 
@@ -85,6 +85,7 @@ class SnapshotPlan:
         # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
         whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)
         try:
-            cache.save(tokens, "system" if whole else "generation", PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held))
+            state = PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held)
+            cache.save(tokens, "system" if whole else "generation", state, seq.req.cache_salt)
         except Exception:
             logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)

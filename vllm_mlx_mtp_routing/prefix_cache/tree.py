@@ -9,6 +9,10 @@ without dependents are evicted (leaf-first), least recently used first within a 
 the classes of short-lived snapshots (the end of a generation or of a prompt) before the start of a
 message, the system/tools block last. Pinned entries (being restored or extended right now) are
 never evicted.
+
+Entries live in spaces: each space (None, or a request's cache salt as the cache keys it) has its own root, so
+a lookup never reaches an entry of another space, whatever the tokens. The budget is shared; a space's root
+goes with its last entry.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Entry:
     payload: Any
     base: Entry | None
     nbytes: int
+    space: str | None = None
     last_used: int = 0
     pins: int = 0
     dependents: int = 0
@@ -78,7 +83,7 @@ class PrefixTree:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.nbytes = 0
-        self._root = _Node(None, (), 0)
+        self._roots: dict[str | None, _Node] = {}
         self._entries: set[Entry] = set()
         self._clock = itertools.count(1)
         self.stats = TreeStats()
@@ -94,9 +99,13 @@ class PrefixTree:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def _walk(self, tokens: Sequence[int], max_len: int) -> list[_Node]:
-        """The nodes whose whole edge matches tokens, root first, down to depth max_len."""
-        path, node = [self._root], self._root
+    def _walk(self, tokens: Sequence[int], max_len: int, space: str | None) -> list[_Node]:
+        """The nodes whose whole edge matches tokens, the space's root first, down to depth max_len (none: the
+        space has no entry)."""
+        node = self._roots.get(space)
+        if node is None:
+            return []
+        path = [node]
         while node.depth < max_len:
             child = node.children.get(tokens[node.depth])
             if child is None or child.depth > max_len:
@@ -109,32 +118,30 @@ class PrefixTree:
         return path
 
     def longest(
-        self, tokens: Sequence[int], max_len: int | None = None, accept: Callable[[Entry], bool] | None = None
+        self, tokens: Sequence[int], max_len: int | None = None, accept: Callable[[Entry], bool] | None = None,
+        space: str | None = None,
     ) -> Entry | None:
-        """The longest entry that is a prefix of tokens (length <= max_len) and passes ``accept``."""
+        """The longest entry of ``space`` that is a prefix of tokens (length <= max_len) and passes ``accept``."""
         max_len = len(tokens) if max_len is None else min(max_len, len(tokens))
-        for node in reversed(self._walk(tokens, max_len)):
+        for node in reversed(self._walk(tokens, max_len, space)):
             e = node.entry
             if e is not None and (accept is None or accept(e)):
                 return e
         return None
 
-    def get(self, tokens: Sequence[int], length: int) -> Entry | None:
-        """The entry at exactly tokens[:length], if any."""
-        if length > len(tokens):
-            return None
-        node = self._walk(tokens, length)[-1]
-        return node.entry if node.depth == length else None
+    def get(self, tokens: Sequence[int], length: int, space: str | None = None) -> Entry | None:
+        """The entry of ``space`` at exactly tokens[:length], if any."""
+        path = self._walk(tokens, length, space) if length <= len(tokens) else []
+        return path[-1].entry if path and path[-1].depth == length else None
 
     def tokens(self, entry: Entry) -> list[int]:
         """The token ids of a live entry's prefix (its path from the root)."""
         node, parts = entry.node, []
         if node is None:
             raise ValueError("entry is not in the tree")
-        while node is not self._root:
-            assert node is not None  # a node's chain of parents ends at the root
+        while (parent := node.parent) is not None:  # up to its space's root
             parts.append(node.edge)
-            node = node.parent
+            node = parent
         return [t for edge in reversed(parts) for t in edge]
 
     def touch(self, entry: Entry) -> None:
@@ -153,9 +160,9 @@ class PrefixTree:
 
     # -- insert and evict -----------------------------------------------------------------------
 
-    def _node_for(self, tokens: Sequence[int], length: int) -> _Node:
-        """The node at exactly tokens[:length], splitting an edge if needed."""
-        node = self._root
+    def _node_for(self, tokens: Sequence[int], length: int, space: str | None) -> _Node:
+        """The node of ``space`` at exactly tokens[:length], splitting an edge if needed."""
+        node = self._roots.setdefault(space, _Node(None, (), 0))
         while node.depth < length:
             d = node.depth
             child = node.children.get(tokens[d])
@@ -179,9 +186,9 @@ class PrefixTree:
         return node
 
     def insert(
-        self, tokens: Sequence[int], length: int, kind: str, payload: Any, base: Entry | None = None
+        self, tokens: Sequence[int], length: int, kind: str, payload: Any, base: Entry | None = None, space: str | None = None
     ) -> Entry | None:
-        """Store ``payload`` for tokens[:length]; None if it cannot fit the budget.
+        """Store ``payload`` for tokens[:length] in ``space``; None if it cannot fit the budget.
 
         ``base`` (a live entry on the same path, shorter) is what the payload extends. An entry
         already at this prefix is kept (refreshed, its kind raised if this one is kept longer).
@@ -190,9 +197,9 @@ class PrefixTree:
             raise ValueError(f"unknown snapshot kind {kind!r}")
         if not 0 < length <= len(tokens):
             raise ValueError(f"length {length} out of range for {len(tokens)} tokens")
-        if base is not None and (not base.alive or base.length >= length):
-            raise ValueError("base must be a live, shorter entry")
-        existing = self.get(tokens, length)
+        if base is not None and (not base.alive or base.length >= length or base.space != space):
+            raise ValueError("base must be a live, shorter entry of the same space")
+        existing = self.get(tokens, length, space)
         if existing is not None:
             if _RETENTION[kind] > _RETENTION[existing.kind]:
                 existing.kind = kind
@@ -208,8 +215,8 @@ class PrefixTree:
         finally:
             if base is not None:
                 self.unpin(base)
-        node = self._node_for(tokens, length)
-        entry = Entry(length=length, kind=kind, payload=payload, base=base, nbytes=size, node=node)
+        node = self._node_for(tokens, length, space)
+        entry = Entry(length=length, kind=kind, payload=payload, base=base, nbytes=size, space=space, node=node)
         node.entry = entry
         if base is not None:
             base.dependents += 1
@@ -256,7 +263,7 @@ class PrefixTree:
             e.node = None
             e.payload = None
         self._entries.clear()
-        self._root = _Node(None, (), 0)
+        self._roots = {}
         self.nbytes = 0
 
     def _remove(self, entry: Entry) -> None:
@@ -271,18 +278,19 @@ class PrefixTree:
         self.nbytes -= entry.nbytes
         if entry.base is not None:
             entry.base.dependents -= 1
-        self._prune(node)
+        top = self._prune(node)
+        if top.parent is None and not top.children:
+            self._roots.pop(entry.space, None)  # the space's last entry: many salts leave no empty roots behind
 
-    def _prune(self, node: _Node) -> None:
-        """Drop entry-less leaves and merge entry-less single-child nodes into their child."""
-        while node is not self._root and node.entry is None and not node.children:
+    def _prune(self, node: _Node) -> _Node:
+        """Drop entry-less leaves and merge entry-less single-child nodes into their child; the node it stopped at."""
+        while node.parent is not None and node.entry is None and not node.children:
             parent = node.parent
-            assert parent is not None  # not the root
             del parent.children[node.edge[0]]
             node = parent
-        if node is not self._root and node.entry is None and len(node.children) == 1:
-            assert node.parent is not None  # not the root
+        if node.parent is not None and node.entry is None and len(node.children) == 1:
             (child,) = node.children.values()
             child.edge = node.edge + child.edge
             child.parent = node.parent
             node.parent.children[node.edge[0]] = child
+        return node

@@ -365,6 +365,8 @@ class RoutingEngine(EngineDecorator):
     async def _text_stream(
         self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks
     ) -> AsyncIterator[TextOutput]:
+        if not prompt_ids:  # an empty completion prompt: nothing to continue from
+            raise RequestRejected(400, "prompt must not be empty")
         self._fit_context(len(prompt_ids), options)
         host_usage.record(prompt_tokens=len(prompt_ids))  # a stream's first event reports it, before any output
         try:
@@ -393,6 +395,7 @@ class RoutingEngine(EngineDecorator):
                 on_joined=ticket.prefill_done if ticket is not None else None,
                 share=sibling.share if sibling is not None else None,  # OpenAI n: the rows prefill once
                 specprefill=sparse,
+                cache_salt=options.get("cache_salt"),
             )
             async for out in engine.stream(request_id):
                 finished = out.finished

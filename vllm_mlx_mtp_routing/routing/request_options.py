@@ -18,12 +18,13 @@ from .request_validation import (
 
 PRIORITY_HEADER = "x-request-priority"
 # Options the plugin's pre-generation hook adds; the host's engine never sees them.
-PLUGIN_OPTIONS = ("priority", "seed", "frequency_penalty", "logprobs", "top_logprobs")
+PLUGIN_OPTIONS = ("priority", "seed", "frequency_penalty", "logprobs", "top_logprobs", "cache_salt")
 
 
 def amend(request: GenerationRequest, *, vocab_size: int | None) -> None:
     """Carry what the host's request models drop: the priority header, the OpenAI ``seed``,
-    ``frequency_penalty`` and ``logprobs`` fields, ``logit_bias`` on completions, and Anthropic's ``stop_sequences``."""
+    ``frequency_penalty`` and ``logprobs`` fields, ``logit_bias`` on completions, Anthropic's ``stop_sequences``
+    and vLLM's ``cache_salt`` (the prefix-cache space of the request)."""
     value = request.headers.get(PRIORITY_HEADER)
     if value is not None:
         try:
@@ -36,6 +37,9 @@ def amend(request: GenerationRequest, *, vocab_size: int | None) -> None:
     seed = request.body.get("seed")
     if seed is not None:
         request.options["seed"] = int(seed)
+    salt = request.body.get("cache_salt")
+    if salt is not None:
+        request.options["cache_salt"] = salt
     stops = request.body.get("stop_sequences")  # Anthropic's stop list: the host drops it (vllm-mlx 0.6.0)
     if stops and not request.options.get("stop"):
         request.options["stop"] = [stops] if isinstance(stops, str) else list(stops)

@@ -20,6 +20,7 @@ from ..text_engine.sampling import MAX_TOP_LOGPROBS
 SEED_LIMIT = 2**64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _number(field: str, value: Any) -> float:
@@ -100,6 +101,13 @@ def _stop(field: str) -> Callable[[Any], None]:
     return check
 
 
+def _cache_salt(v: Any) -> None:
+    if not isinstance(v, str):
+        raise RequestRejected(400, f"cache_salt must be a string, got {type(v).__name__}")
+    if not 0 < len(v) <= MAX_CACHE_SALT_CHARS:
+        raise RequestRejected(400, f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters long, got {len(v)}")
+
+
 def _top_logprobs(v: Any) -> None:
     n = _integer("top_logprobs", v)
     _in_range("top_logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
@@ -116,9 +124,11 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "repetition_penalty": _repetition_penalty,
     "max_tokens": _max_tokens("max_tokens"),
     "max_completion_tokens": _max_tokens("max_completion_tokens"),
+    "max_output_tokens": _max_tokens("max_output_tokens"),  # /v1/responses
     "stop": _stop("stop"),
     "stop_sequences": _stop("stop_sequences"),
     "top_logprobs": _top_logprobs,
+    "cache_salt": _cache_salt,
 }
 
 

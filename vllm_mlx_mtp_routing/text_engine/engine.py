@@ -104,18 +104,21 @@ class TextEngine:
         on_joined: Callable[[], None] | None = None,
         share: SharedPrefill | None = None,
         specprefill: RequestChoice | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request. ``snapshot_at``: prompt positions worth a prefix-cache snapshot
         (``TextRequest``); ``on_joined`` runs (on the step's thread) when its prefill is done and it
         joins the decode batch; ``share``: it is one of the n rows of a request, prefilled once;
-        ``specprefill``: its ``specprefill.settings.RequestChoice``."""
+        ``specprefill``: its ``specprefill.settings.RequestChoice``; ``cache_salt``: the prefix-cache
+        entries it reads and makes are those of this salt only."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
         self.scheduler.add(
-            TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined, share=share, specprefill=specprefill)
+            TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined, share=share, specprefill=specprefill,
+                        cache_salt=cache_salt)
         )
         self._queues[rid] = asyncio.Queue()
         assert self._wakeup is not None  # made by start

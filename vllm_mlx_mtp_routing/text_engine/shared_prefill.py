@@ -7,7 +7,8 @@ buffers) and every other row starts from a restore of it, through the insert API
 prefix cache (``PrefillState``), with no prompt token prefilled again. A row whose prompt differs
 (a template that renders differently on each call) prefills alone; so does every row if the
 leader's state cannot be kept. The state is dropped once every row has joined or left, and at
-the latest with the ``SharedPrefill`` object itself (the HTTP request that made it).
+the latest with the ``SharedPrefill`` object itself (the HTTP request that made it); rows that come
+after that (the later prompts of a completion of several) prefill alone.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class SharedPrefill:
 
     def ready(self, row: SharingRow, model: Any, with_head: bool) -> bool:
         """May ``row`` prefill now? A follower takes the leader's state here; False: it waits for the leader."""
-        if row.prefill is not None or row.to_prefill <= 0 or self.unshareable:
+        # Past its n rows (a completion of several prompts runs each copy's prompts in turn) the sharing is over.
+        if row.prefill is not None or row.to_prefill <= 0 or self.unshareable or self.done >= self.rows:
             return True
         prompt = tuple(row.req.prompt_ids)
         if self.prompt is None:

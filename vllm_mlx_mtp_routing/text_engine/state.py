@@ -106,6 +106,9 @@ class TextRequest:
     share: PrefillSharing | None = None
     # The request's own SpecPrefill fields (a ``specprefill.settings.RequestChoice``; None: the server's).
     specprefill: RequestChoice | None = None
+    # The client's ``cache_salt``: the prefix-cache snapshots this request reads and makes are keyed by it, so
+    # requests with another salt (or none) never share them. None: the unsalted entries.
+    cache_salt: str | None = None
 
 
 
