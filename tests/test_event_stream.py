@@ -139,3 +139,16 @@ def test_openai_streams_pass_unamended() -> None:
     host = [START, body(chunk), body(HEARTBEAT), body(b"data: [DONE]\n\n"), END]
     sent = run_stream(ctx, host, record_after=1)
     assert sent == host and ctx.response_id == "chatcmpl-9"
+
+
+def test_a_responses_stream_ends_on_response_completed_and_silently_never() -> None:
+    """The Responses API ends with ``response.completed`` (an incomplete answer too): no error frame after it; a
+    Responses stream that stops short gets the API's ``error`` event."""
+    completed = anthropic_event("response.completed", {"type": "response.completed", "response": {"status": "incomplete"}})
+    done = EventStream(anthropic=False, responses=True, body={})
+    assert done.outgoing(body(completed)) == [body(completed)]
+    assert done.outgoing(END) == [END]
+    short = EventStream(anthropic=False, responses=True, body={})
+    sent = short.outgoing(END)
+    assert [name for name, _ in events(sent)] == ["error"]
+    assert events(sent)[0][1]["type"] == "error" and sent[-1] == END

@@ -26,7 +26,8 @@ Message = dict[str, Any]
 
 HEARTBEAT = b": heartbeat\n\n"
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
-_TERMINALS = (b"data: [DONE]", b"event: message_stop")
+# A Responses stream ends with response.completed whatever its status (vllm-mlx 0.6.0 _responses_sse_event).
+_TERMINALS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed", b"event: response.failed")
 _TIMEOUT_STATUS = 504
 # The guard's clock starts before the first chunk reaches the client: a timeout is told from a hang-up with margin.
 _TIMEOUT_SLACK_S = 0.5
@@ -35,8 +36,9 @@ _TIMEOUT_SLACK_S = 0.5
 class EventStream:
     """One 200 event-stream response: its heartbeats in its protocol, and never a silent end."""
 
-    def __init__(self, *, anthropic: bool, body: dict[str, Any]) -> None:
+    def __init__(self, *, anthropic: bool, body: dict[str, Any], responses: bool = False) -> None:
         self.anthropic = anthropic
+        self.responses = responses  # the Responses API's events
         self._body = body  # the request's JSON: its own ``timeout``, if any
         self._ended = False  # its terminal frame went out
         self._last_data = time.monotonic()  # when the host last wrote a frame that was not a heartbeat
@@ -74,5 +76,8 @@ class EventStream:
             error = {"type": "error", "error": {"type": kind, "message": message}}
             stop = {"type": "message_stop"}
             return f"event: error\ndata: {json.dumps(error)}\n\nevent: message_stop\ndata: {json.dumps(stop)}\n\n".encode()
+        if self.responses:
+            event = {"type": "error", "code": kind, "message": message, "param": None}
+            return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
         frame = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         return f"data: {json.dumps(frame)}\n\ndata: [DONE]\n\n".encode()
