@@ -48,8 +48,8 @@ def events(sent: list[Message]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_heartbeats_become_anthropic_pings_and_stay_comments_for_openai() -> None:
-    anthropic = EventStream(anthropic=True, body={"timeout": 100})
-    openai = EventStream(anthropic=False, body={"timeout": 100})
+    anthropic = EventStream("/v1/messages", {"timeout": 100})
+    openai = EventStream("/v1/chat/completions", {"timeout": 100})
     assert anthropic.outgoing(body(HEARTBEAT)) == [body(PING)]
     assert openai.outgoing(body(HEARTBEAT)) == [body(HEARTBEAT)]
     # a stream that ends with its terminal frame ends as it is
@@ -59,7 +59,7 @@ def test_heartbeats_become_anthropic_pings_and_stay_comments_for_openai() -> Non
 
 def test_a_stream_the_host_timed_out_ends_with_an_error_and_its_terminal() -> None:
     for anthropic in (True, False):
-        stream = EventStream(anthropic=anthropic, body={"timeout": 0.01})
+        stream = EventStream("/v1/messages" if anthropic else "/v1/chat/completions", {"timeout": 0.01})
         first = MESSAGE_START if anthropic else b'data: {"id": "chatcmpl-1", "choices": []}\n\n'
         stream.arrived(body(first))
         sent = [*stream.outgoing(body(first)), *stream.outgoing(body(HEARTBEAT)), *stream.outgoing(END)]
@@ -77,7 +77,7 @@ def test_a_stream_the_host_timed_out_ends_with_an_error_and_its_terminal() -> No
 
 
 def test_a_stream_cut_short_otherwise_says_so_without_blaming_the_timeout() -> None:
-    stream = EventStream(anthropic=False, body={"timeout": 300})
+    stream = EventStream("/v1/chat/completions", {"timeout": 300})
     stream.arrived(body(b'data: {"choices": []}\n\n'))
     got = events([*stream.outgoing(body(b'data: {"choices": []}\n\n')), *stream.outgoing(END)])
     assert got[1][1]["error"]["code"] == 500 and "ended before the response completed" in got[1][1]["error"]["message"]
@@ -145,10 +145,10 @@ def test_a_responses_stream_ends_on_response_completed_and_silently_never() -> N
     """The Responses API ends with ``response.completed`` (an incomplete answer too): no error frame after it; a
     Responses stream that stops short gets the API's ``error`` event."""
     completed = anthropic_event("response.completed", {"type": "response.completed", "response": {"status": "incomplete"}})
-    done = EventStream(anthropic=False, responses=True, body={})
+    done = EventStream("/v1/responses", {})
     assert done.outgoing(body(completed)) == [body(completed)]
     assert done.outgoing(END) == [END]
-    short = EventStream(anthropic=False, responses=True, body={})
+    short = EventStream("/v1/responses", {})
     sent = short.outgoing(END)
     assert [name for name, _ in events(sent)] == ["error"]
     assert events(sent)[0][1]["type"] == "error" and sent[-1] == END

@@ -40,8 +40,6 @@ logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 HOLD_LIMIT_S = 2.0
 # A stream that never reaches admission (a path the plugin does not admit) is let through after this long.
 UNDECIDED_LIMIT_S = 10.0
-ANTHROPIC_PATH = "/v1/messages"
-RESPONSES_PATH = "/v1/responses"
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"]{1,128})"')
 
 Scope = dict[str, Any]
@@ -186,8 +184,7 @@ class HoldingSend:
                 self._held = [message]
                 self._held_since = time.monotonic()
                 if int(message.get("status", 200)) == 200:
-                    self._stream = EventStream(anthropic=self._ctx.path == ANTHROPIC_PATH, body=self._ctx.body,
-                                               responses=self._ctx.path == RESPONSES_PATH)
+                    self._stream = EventStream(self._ctx.path, self._ctx.body)
                 return
         elif self._stream is not None and message["type"] == "http.response.body":
             self._stream.arrived(message)

@@ -24,6 +24,8 @@ logger = logging.getLogger("vllm_mlx_mtp_routing.bridge")
 
 Message = dict[str, Any]
 
+ANTHROPIC_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
 HEARTBEAT = b": heartbeat\n\n"
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 # A Responses stream ends with response.completed whatever its status (vllm-mlx 0.6.0 _responses_sse_event).
@@ -36,9 +38,9 @@ _TIMEOUT_SLACK_S = 0.5
 class EventStream:
     """One 200 event-stream response: its heartbeats in its protocol, and never a silent end."""
 
-    def __init__(self, *, anthropic: bool, body: dict[str, Any], responses: bool = False) -> None:
-        self.anthropic = anthropic
-        self.responses = responses  # the Responses API's events
+    def __init__(self, path: str, body: dict[str, Any]) -> None:
+        self.anthropic = path == ANTHROPIC_PATH
+        self.responses = path == RESPONSES_PATH  # the Responses API's events
         self._body = body  # the request's JSON: its own ``timeout``, if any
         self._ended = False  # its terminal frame went out
         self._last_data = time.monotonic()  # when the host last wrote a frame that was not a heartbeat
