@@ -26,7 +26,7 @@ logger = logging.getLogger("vllm_mlx_mtp_routing")
 
 class MTPRoutingPlugin:
     def __init__(self) -> None:
-        self.config = PluginConfig()  # the flags' once they are validated
+        self.config = PluginConfig()  # the flags, once they are validated
         self.router: RoutingEngine | None = None  # the engine this plugin routes for; requests are checked for it
 
     @hookimpl

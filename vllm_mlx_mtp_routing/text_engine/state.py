@@ -67,7 +67,6 @@ def check_fractions(keep_pct: float, backbone_pct: float) -> None:
         raise ValueError(f"specprefill_backbone_pct must be in [0, specprefill_keep_pct={keep_pct}], got {backbone_pct!r}")
 
 
-
 @dataclass(frozen=True)
 class RequestChoice:
     """A request's own SpecPrefill fields (None: the server's setting)."""
@@ -90,8 +89,6 @@ class RequestChoice:
         return choice
 
 
-
-
 @dataclass
 class TextRequest:
     request_id: str
@@ -104,12 +101,11 @@ class TextRequest:
     on_joined: Callable[[], None] | None = None
     # One of the n rows of a request (OpenAI ``n``): the rows prefill once (shared_prefill.py).
     share: PrefillSharing | None = None
-    # The request's own SpecPrefill fields (a ``specprefill.settings.RequestChoice``; None: the server's).
+    # The request's own SpecPrefill fields (None: the server's).
     specprefill: RequestChoice | None = None
     # The client's ``cache_salt``: the prefix-cache snapshots this request reads and makes are keyed by it, so
     # requests with another salt (or none) never share them. None: the unsalted entries.
     cache_salt: str | None = None
-
 
 
 @dataclass
@@ -164,7 +160,6 @@ class PrefillState:
             # sparse state cannot be prefilled further, so it must cover all but the last token.
             if self.prefilled != prompt_len - 1:
                 raise ValueError("a sparse state (position set) must cover the prompt but its last token")
-
 
 
 @dataclass

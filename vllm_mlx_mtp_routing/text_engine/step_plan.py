@@ -10,16 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from .logprobs import TokenLogprob
 from .row import Row
-
-
-class SparseWork(Protocol):
-    """A row's SpecPrefill job as the runner sees it (``specprefill.pipeline.SparseJob``)."""
-
-    def advance(self) -> int: ...
+from .state import SparseJobView
 
 
 @dataclass(frozen=True)
@@ -40,15 +34,8 @@ class SparsePiece:
     """One piece of a row's SpecPrefill job: a draft scoring chunk, or a chunk of kept tokens on the target."""
 
     row: Row
-    job: SparseWork
+    job: SparseJobView
     tokens: int  # its projected cost in prompt tokens
-
-
-@dataclass(frozen=True)
-class Join:
-    """A prefilled row joins the decode batch (its caches copied in as the batch's last row)."""
-
-    row: Row
 
 
 PrefillWork = PrefillChunk | SparsePiece
