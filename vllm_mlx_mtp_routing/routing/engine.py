@@ -1,5 +1,6 @@
-"""Per-request routing around the host's BatchedEngine: text-only requests to the TextModel's
-continuous batch, anything with an image, video or audio part to the host's mlx-vlm path, intact.
+"""Per-request routing around the host's BatchedEngine: text requests and chats with images to the TextModel's
+continuous batch (an image request is a row of the same batch, its images through the VLM's vision tower), what the
+text engine cannot serve (video, audio, media arguments, another model family) to the host's mlx-vlm path, intact.
 
 Both paths step on the event-loop thread, where the host's MLLM scheduler already steps: MLX work
 never runs on two threads at once. Fairness: each scheduler runs one step, then yields the loop, so
@@ -26,9 +27,10 @@ from ..plugin_api.errors import RequestRejected
 from ..specprefill.settings import RequestChoice
 from ..text_engine.engine import TextEngine
 from ..text_engine.row_check import preflight
-from ..text_engine.state import TextOutput
+from ..text_engine.state import MediaInput, TextOutput
 from .fallbacks import FallbackReasons
-from .media import has_media, media_items
+from .media import MEDIA_OPTIONS, has_media, media_items
+from .media_prompt import MediaPrompt, prepare_media_chat
 from .normalize import normalize_messages
 from .outputs import host_call, host_stream, no_draft_outcome, to_generation_output
 from .parts import ServingParts, TextPath
@@ -240,9 +242,9 @@ class RoutingEngine(EngineDecorator):
             finally:
                 if ticket is not None:
                     ticket.release()
-        ids, marks = await self._prompt(text, call)
+        ids, marks, media = await self._prompt(text, call)
         last: TextOutput | None = None
-        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks):
+        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks, media):
             last = out
         assert last is not None
         return to_generation_output(last, streaming=False)
@@ -260,8 +262,8 @@ class RoutingEngine(EngineDecorator):
                 if ticket is not None:
                     ticket.release()
             return
-        ids, marks = await self._prompt(text, call)
-        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks):
+        ids, marks, media = await self._prompt(text, call)
+        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks, media):
             yield to_generation_output(out, streaming=True)
 
     def _host_result(self, call: _Call) -> Any:
@@ -275,25 +277,27 @@ class RoutingEngine(EngineDecorator):
         return self.wrapped.stream_generate(prompt=call.prompt, **call.options)
 
     def _route(self, call: _Call) -> TextPath | None:
-        """The text path that serves this call, or None: the host's path (media, or a fallback)."""
+        """The text path that serves this call (text, or media as rows of the text batch), or None: the host's path
+        (a fallback, with its reason)."""
         reason = None
         text = self._text
-        if has_media(call.messages, call.options):
-            route = "media"
-        elif text is None:
-            route, reason = "fallback", f"text path off: {self.disabled_reason}"
+        media = has_media(call.messages, call.options)
+        if text is None:
+            route, reason = "fallback", f"{'media' if media else 'text'} path off: {self.disabled_reason}"
+        elif media and (why := _media_gap(text, call)) is not None:
+            route, reason = "fallback", f"media: {why}"
         elif (reason := text_path_gap(call.options, text_mtp=text.drafts)) is not None:
             route = "fallback"
         else:
-            route = "text"
+            route = "media" if media else "text"
         sibling = getattr(asgi.current(), "sibling", None)
         if sibling is None or sibling.index == 0:  # the n copies of one request count once
             self.routes[route] += 1
             if reason is not None:
                 self.fallbacks.note(reason)
-            if route != "text" and call.plugin.get("seed") is not None and float(call.options.get("temperature") or 0.0) > 0:
+            if route == "fallback" and call.plugin.get("seed") is not None and float(call.options.get("temperature") or 0.0) > 0:
                 self.fallbacks.ignored("seed")
-        return text if route == "text" else None
+        return text if route != "fallback" else None
 
     def _render(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
         try:
@@ -301,8 +305,31 @@ class RoutingEngine(EngineDecorator):
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
 
-    async def _prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks]:
-        """The prompt's tokens and, with a prefix cache, where it is worth a snapshot (off the event loop)."""
+    def _render_media(self, messages: list[dict[str, Any]], options: dict[str, Any], images: int) -> str:
+        try:
+            return host.render_media_chat_prompt(self.wrapped, messages, options, images)
+        except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
+            raise RequestRejected(400, f"chat template error: {exc}") from exc
+
+    async def _media_prompt(self, text: TextPath, call: _Call) -> MediaPrompt:
+        """A chat with images: its tokens (each image expanded) and its images, prepared off the event loop."""
+        vision = text.vision
+        assert vision is not None  # _route sends media here only with the vision parts
+        render = lambda m, n: self._render_media(m, call.options, n)  # noqa: E731
+        kwargs = {"image_token_id": vision.image_token_id, "merge": vision.merge, "positions": text.engine.prefix_cache is not None}
+        if text.prompts is None:
+            return prepare_media_chat(host.processor(self.wrapped), render, call.messages or [], **kwargs)
+        return await text.prompts.media(prepare_media_chat, render, call.messages or [], **kwargs)
+
+    async def _prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks, MediaInput | None]:
+        """The prompt's tokens, where it is worth a snapshot (with a prefix cache) and its images (off the event loop)."""
+        if has_media(call.messages, call.options):
+            prepared = await self._media_prompt(text, call)
+            return prepared.ids, prepared.marks, prepared.media
+        ids, marks = await self._text_prompt(text, call)
+        return ids, marks, None
+
+    async def _text_prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks]:
         tokenizer = self._attached().tokenizer
         if not call.chat:
             prompt = call.prompt or ""
@@ -363,7 +390,8 @@ class RoutingEngine(EngineDecorator):
         return text_tokens + media_items(call.messages, call.options) * parts.tokens_per_media_item
 
     async def _text_stream(
-        self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks
+        self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks,
+        media: MediaInput | None = None,
     ) -> AsyncIterator[TextOutput]:
         if not prompt_ids:  # an empty completion prompt: nothing to continue from
             raise RequestRejected(400, "prompt must not be empty")
@@ -378,7 +406,9 @@ class RoutingEngine(EngineDecorator):
         engine = text.engine
         if sparse.enabled and engine.specprefill is None:
             logger.info("SpecPrefill requested, but the server runs without --specprefill --specprefill-draft-model: dense prefill")
-        ticket = await self._admit("text", len(prompt_ids), options, priority)
+        # A media row's vision tower works over its images' tokens on top of the prompt: counted as prompt tokens again.
+        vision_tokens = sum(end - start for start, end in media.spans) if media is not None else 0
+        ticket = await self._admit("text" if media is None else "media", len(prompt_ids) + vision_tokens, options, priority)
         request_id: str | None = None
         finished = False
         rid = f"text-{uuid.uuid4().hex[:12]}"
@@ -396,6 +426,7 @@ class RoutingEngine(EngineDecorator):
                 share=sibling.share if sibling is not None else None,  # OpenAI n: the rows prefill once
                 specprefill=sparse,
                 cache_salt=options.get("cache_salt"),
+                media=media,
             )
             async for out in engine.stream(request_id):
                 finished = out.finished
@@ -410,6 +441,20 @@ class RoutingEngine(EngineDecorator):
                 engine.abort_now(request_id)
             if ticket is not None:
                 ticket.release()
+
+
+def _media_gap(text: TextPath, call: _Call) -> str | None:
+    """Why the text engine cannot serve this media call (None: it can)."""
+    if text.vision is None:
+        return text.media_unavailable or "no vision tower"
+    if not call.chat or any(call.options.get(k) for k in MEDIA_OPTIONS):
+        return "media passed as arguments, not as message parts"
+    _, videos, audios = host.media_references(call.messages or [])
+    if audios:
+        return "audio"
+    if videos:
+        return "video"
+    return None
 
 
 def _explicit_max_tokens(ctx: asgi.RequestContext | None) -> bool:

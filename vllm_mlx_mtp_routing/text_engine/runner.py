@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..model.backbone import backbone_forward
+from ..model.media_forward import VisionParts, media_forward
 from .batch_cache import BatchCache
 from .decode_batch import DecodeBatch
 from .logprobs import row_logprobs
@@ -32,8 +33,8 @@ from .spec import verify
 from .spec.mtp import MTPDecode
 from .spec.mtp_rows import MTPRowState
 from .spec.proposer import MTPProposer
-from .state import PrefillState
-from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillDone, PrefillWork
+from .state import MediaInput, PrefillState
+from .step_plan import DecodePlan, DecodeResult, MediaEncode, PrefillChunk, PrefillDone, PrefillWork
 
 
 def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.array, state: PrefillState) -> None:
@@ -53,10 +54,44 @@ def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.a
     state.prefilled += tokens.shape[1]
 
 
+def media_prefill_forward(
+    model: nn.Module, vision: VisionParts, proposer: MTPProposer | None, prompt_ids: list[int], media: MediaInput,
+    end: int, state: PrefillState,
+) -> None:
+    """One prefill chunk of a media prompt, ``prompt[state.prefilled:end]``: its token embeddings with each image's
+    features in place of its tokens, at the VLM's M-RoPE positions; otherwise as ``prefill_forward``."""
+    assert state.backbone is not None and media.position_ids is not None  # made by the runner
+    start = state.prefilled
+    tokens = mx.array(prompt_ids[start:end], dtype=mx.uint32)[None]
+    embedded = model.model.embed_tokens(tokens)
+    pieces, at = [], start
+    for j, (s, e) in enumerate(media.spans):
+        if s >= end or e <= start:
+            continue
+        lo, hi = max(s, start), min(e, end)
+        pieces += [embedded[:, at - start : lo - start], media.features[j][None, lo - s : hi - s].astype(embedded.dtype)]
+        at = hi
+    embeddings = mx.concatenate([*pieces, embedded[:, at - start :]], axis=1) if pieces else embedded
+    mode = proposer.hidden_state_mode if proposer is not None else "post_norm"
+    hidden = media_forward(model, vision.rotaries, embeddings, media.position_ids[:, :, start:end], state.backbone, mode)
+    arrays: list = [c.state for c in state.backbone]
+    if proposer is not None:
+        if proposer.wants_prefill_hidden(state, end):
+            arrays.append(proposer.prefill(hidden, tokens, state, start))
+        else:
+            proposer.skip_prefill_chunk(state)
+    mx.eval(arrays)
+    state.prefilled = end
+    for j, (_, e) in enumerate(media.spans):  # an image wholly prefilled needs its features no more
+        if e <= end:
+            media.features.pop(j, None)
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, spec: MTPDecode | None = None) -> None:
+    def __init__(self, model: nn.Module, spec: MTPDecode | None = None, vision: VisionParts | None = None) -> None:
         self.model = model
         self.spec = spec
+        self.vision = vision  # media rows' vision tower and positions (None: text rows only)
         self.batch = DecodeBatch(model, head_layers=spec.head_layers if spec is not None else 0)
 
     @property
@@ -75,7 +110,12 @@ class ModelRunner:
                 continue
             tic = time.perf_counter()
             try:
-                tokens = self._chunk(item) if isinstance(item, PrefillChunk) else item.job.advance()
+                if isinstance(item, PrefillChunk):
+                    tokens = self._chunk(item)
+                elif isinstance(item, MediaEncode):
+                    tokens = self._encode(item)
+                else:
+                    tokens = item.job.advance()
             except Exception as e:  # only this row's own caches were touched
                 failed.add(id(item.row))
                 done.append(PrefillDone(0, time.perf_counter() - tic, e))
@@ -97,15 +137,45 @@ class ModelRunner:
         state.prefill_to = row.to_prefill
         if state.prefilled != chunk.start:
             raise RuntimeError(f"chunk starts at {chunk.start}, the row's caches hold {state.prefilled}")
+        proposer = self.spec.proposer if self.spec is not None else None
+        media = row.req.media
+        if media is not None:
+            self._positions(row.req.prompt_ids, media)
+            assert self.vision is not None  # a media row is only added with the vision parts (_positions checks)
+            media_prefill_forward(self.model, self.vision, proposer, row.req.prompt_ids, media, chunk.end, state)
+            return chunk.tokens
         tokens = mx.array(row.req.prompt_ids[chunk.start : chunk.end], dtype=mx.uint32)[None]
-        prefill_forward(self.model, self.spec.proposer if self.spec is not None else None, tokens, state)
+        prefill_forward(self.model, proposer, tokens, state)
         return chunk.tokens
+
+    def _encode(self, item: MediaEncode) -> int:
+        """The vision tower over one image of a media row; its features wait for the chunks that cover its tokens."""
+        media = item.row.req.media
+        if media is None or self.vision is None:
+            raise RuntimeError("a media item for a row without media, or a runner without the vision tower")
+        s, e = media.patch_rows(item.image)
+        features = self.vision.encode(media.pixel_values[s:e], media.grid_thw[item.image])
+        start, end = media.spans[item.image]
+        if features.shape[0] != end - start:
+            raise ValueError(f"image {item.image} gives {features.shape[0]} features for {end - start} prompt tokens")
+        mx.eval(features)
+        media.features[item.image] = features
+        return item.tokens
+
+    def _positions(self, prompt_ids: list[int], media: MediaInput) -> None:
+        if self.vision is None:
+            raise RuntimeError("a media row, but the runner has no vision tower")
+        if media.position_ids is None:
+            media.position_ids, media.rope_delta = self.vision.positions(prompt_ids, media.grid_thw)
 
     # -- joins and leaves ----------------------------------------------------------------------
 
     def join(self, row: Row) -> None:
         """A prefilled row becomes the batch's last row; its prefill-stage caches are released."""
         state = self.prefill_state(row)
+        if row.req.media is not None:  # its decode positions continue the prompt's M-RoPE positions
+            self._positions(row.req.prompt_ids, row.req.media)
+            state.rope_delta = row.req.media.rope_delta
         row.spec = self.spec.proposer.join(state, row.req.prompt_ids) if self.spec is not None else None
         self.batch.insert(row, state)
         row.prefill = None
