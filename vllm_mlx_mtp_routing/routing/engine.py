@@ -316,7 +316,9 @@ class RoutingEngine(EngineDecorator):
         vision = text.vision
         assert vision is not None  # _route sends media here only with the vision parts
         render = lambda m, n: self._render_media(m, call.options, n)  # noqa: E731
-        kwargs = {"image_token_id": vision.image_token_id, "merge": vision.merge, "positions": text.engine.prefix_cache is not None}
+        kwargs: dict[str, Any] = {
+            "image_token_id": vision.image_token_id, "merge": vision.merge, "positions": text.engine.prefix_cache is not None,
+        }
         if text.prompts is None:
             return prepare_media_chat(host.processor(self.wrapped), render, call.messages or [], **kwargs)
         return await text.prompts.media(prepare_media_chat, render, call.messages or [], **kwargs)
