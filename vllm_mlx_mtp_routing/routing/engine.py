@@ -451,11 +451,13 @@ def _media_gap(text: TextPath, call: _Call) -> str | None:
         return text.media_unavailable or "no vision tower"
     if not call.chat or any(call.options.get(k) for k in MEDIA_OPTIONS):
         return "media passed as arguments, not as message parts"
-    _, videos, audios = host.media_references(call.messages or [])
+    images, videos, audios = host.media_references(call.messages or [])
     if audios:
         return "audio"
     if videos:
         return "video"
+    if not images:  # a media part the host's extraction does not read: its path, as without the plugin
+        return "a media part the host does not read"
     return None
 
 
