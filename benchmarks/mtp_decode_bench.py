@@ -147,7 +147,8 @@ class Oracle:
 
 
 class DecodeTimer:
-    """A scheduler's decode steps, timed through its public parts: the runner's ``decode`` (the step's model work:
+    """A scheduler's decode steps, timed through its public parts: the runner's ``decode``, ``decode_ahead`` and
+    ``settle`` (the step's model work:
     forward, sampling, with MTP the drafts, verify, acceptance and rollback) and, with MTP, the decode's ``plan`` and
     ``observe`` around it (the draft policy's decision and bookkeeping). Wrapped on the instances while the timer is
     open (``with DecodeTimer(sched) as timer:``); the scheduler's own bookkeeping (stops, detokenizing, joins,
@@ -173,10 +174,24 @@ class DecodeTimer:
             return result
 
         self.runner.decode = timed_decode
+        for name in ("decode_ahead", "settle"):  # plain steps: launched ahead, read at the next step
+            setattr(self.runner, name, self.read(getattr(self.runner, name)))
         if self.spec is not None:
             for name in ("plan", "observe"):
                 setattr(self.spec, name, self.wrap(getattr(self.spec, name)))
         return self
+
+    def read(self, fn):
+        def timed(*args, **kwargs):
+            tic = time.perf_counter()
+            done = fn(*args, **kwargs)
+            self.end = time.perf_counter()
+            self.seconds += self.end - tic
+            if done is not None:
+                self.tokens += sum(len(t) for t in done[1].tokens)
+                self.steps += 1
+            return done
+        return timed
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
@@ -188,7 +203,7 @@ class DecodeTimer:
         return timed
 
     def __exit__(self, *exc) -> None:
-        del self.runner.decode  # the class's methods again (a decode kept across runs is timed by the next timer)
+        del self.runner.decode, self.runner.decode_ahead, self.runner.settle  # the class's methods again
         if self.spec is not None:
             del self.spec.plan, self.spec.observe
 

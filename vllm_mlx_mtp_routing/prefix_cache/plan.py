@@ -75,12 +75,12 @@ class SnapshotPlan:
 
     @staticmethod
     def after_generation(cache: PrefixCache, seq: Row, batch: BatchCache, i: int) -> None:
-        """Keep a finished row's state (prompt + generated tokens but the last): the next turn of a
-        conversation renders this reply into its prompt. Backbone only: with MTP, a hit on it
-        restores no head state and the head skips those positions (only acceptance can suffer)."""
+        """Keep a finished row's state (prompt + generated tokens but the last; all of them when a step launched ahead
+        already fed the last one): the next turn of a conversation renders this reply into its prompt. Backbone only:
+        with MTP, a hit on it restores no head state and the head skips those positions (only acceptance can suffer)."""
         held = batch.lengths()[i]
         tokens = [*seq.req.cache_ids, *seq.token_ids]
-        if held != len(tokens) - 1 or held <= len(seq.req.prompt_ids) - 1:
+        if held > len(tokens) or held <= len(seq.req.prompt_ids) - 1:
             return
         # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
         whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)

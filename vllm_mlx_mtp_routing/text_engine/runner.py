@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ from .batch_cache import BatchCache
 from .decode_batch import DecodeBatch
 from .logprobs import row_logprobs
 from .row import Row
-from .sampling import sample_rows
+from .sampling import RowSampler, sample_rows
 from .spec import verify
 from .spec.mtp import MTPDecode
 from .spec.mtp_rows import MTPRowState
@@ -87,12 +88,29 @@ def media_prefill_forward(
             media.features.pop(j, None)
 
 
+@dataclass
+class _Launched:
+    """A plain decode step launched and not yet read: its rows, their sampled tokens and logits (on the device)."""
+
+    rows: list[Row]
+    sampled: mx.array  # [B]
+    logits: mx.array  # [B, V]
+    samplers: list[RowSampler]
+
+    def take(self, keep: list[int]) -> _Launched | None:
+        if not keep:
+            return None
+        idx = mx.array(keep, dtype=mx.int32)
+        return _Launched([self.rows[i] for i in keep], self.sampled[idx], self.logits[idx], [self.samplers[i] for i in keep])
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, spec: MTPDecode | None = None, vision: VisionParts | None = None) -> None:
         self.model = model
         self.spec = spec
         self.vision = vision  # media rows' vision tower and positions (None: text rows only)
         self.batch = DecodeBatch(model, head_layers=spec.head_layers if spec is not None else 0)
+        self._launched: _Launched | None = None  # the plain step decode_ahead launched last
 
     @property
     def cache(self) -> BatchCache:
@@ -181,13 +199,18 @@ class ModelRunner:
         row.prefill = None
 
     def keep(self, rows: Sequence[Row]) -> None:
-        """Keep only these rows, in this order; with none left the allocator's cache goes back to the device."""
+        """Keep only these rows, in this order; with none left the allocator's cache goes back to the device. A launched
+        step's tokens of the rows that leave are dropped."""
+        if self._launched is not None:
+            kept = {id(r) for r in rows}
+            self._launched = self._launched.take([i for i, r in enumerate(self._launched.rows) if id(r) in kept])
         self.batch.filter(list(rows))
         if not self.batch.rows:
             mx.clear_cache()
 
     def clear(self) -> None:
         """Drop every row (after a fault that may have left the batch caches half-updated)."""
+        self._launched = None
         self.batch.clear()
 
     # -- decode --------------------------------------------------------------------------------
@@ -206,6 +229,53 @@ class ModelRunner:
             tokens = [[t] for t in cast("list[int]", sampled.tolist())]
             return DecodeResult(tokens, logprobs=row_logprobs(logits[:, None], tokens, samplers))
         return self._speculative(plan, rows, samplers, x)
+
+    def can_decode_ahead(self, rows: Sequence[Row]) -> bool:
+        """A plain step can be launched before the tokens of the one before it are read: no MTP, and no row whose
+        logits processing reads its generated tokens (penalties, processors), which would then be one token short."""
+        return self.spec is None and all(r.sampler.logits is None for r in rows)
+
+    def decode_ahead(self, plan: DecodePlan) -> tuple[list[Row], DecodeResult] | None:
+        """Launch the batch's next plain step (``mx.async_eval``), its inputs the tokens the step launched before it
+        sampled, still on the device; then read that earlier step: its rows and their tokens (None: none was launched).
+
+        While the device runs the new step the scheduler reads, streams and plans (mlx-lm's ``BatchGenerator`` and the
+        host's batch generator pipeline their steps the same way). The arithmetic is the serial step's, so outputs are
+        the same. A row that finishes with the earlier step has its token of the new step dropped when it leaves, and
+        its caches then hold its last token too (prefix_cache.plan keeps such a row's state as such)."""
+        rows = list(plan.rows)
+        if len(rows) != len(self.batch.rows):
+            raise RuntimeError(f"a plan of {len(rows)} rows for a batch of {len(self.batch.rows)}")
+        before = self._launched
+        samplers = [r.sampler for r in rows]
+        x = self._inputs(rows, before)
+        logits = self.model(x, cache=self.cache.layers)[:, -1, :]
+        sampled = sample_rows(logits, samplers)
+        mx.async_eval(sampled, self.cache.state())
+        self._launched = _Launched(rows, sampled, logits, samplers)
+        return self._read(before) if before is not None else None
+
+    def settle(self) -> tuple[list[Row], DecodeResult] | None:
+        """Read the step ``decode_ahead`` launched last, launching none (before a serial step)."""
+        before, self._launched = self._launched, None
+        return self._read(before) if before is not None else None
+
+    @staticmethod
+    def _inputs(rows: list[Row], before: _Launched | None) -> mx.array:
+        """[B, 1]: each row's next input, the launched step's token (on the device) where the row was in it."""
+        if before is None:
+            return mx.array([r.next_input for r in rows], dtype=mx.uint32)[:, None]
+        if [id(r) for r in before.rows] == [id(r) for r in rows]:
+            return before.sampled.astype(mx.uint32)[:, None]
+        at = {id(r): i for i, r in enumerate(before.rows)}
+        parts = [before.sampled[at[id(r)] : at[id(r)] + 1].astype(mx.uint32) if id(r) in at
+                 else mx.array([r.next_input], dtype=mx.uint32) for r in rows]  # rows that joined since
+        return mx.concatenate(parts)[:, None]
+
+    @staticmethod
+    def _read(step: _Launched) -> tuple[list[Row], DecodeResult]:
+        tokens = [[t] for t in cast("list[int]", step.sampled.tolist())]
+        return step.rows, DecodeResult(tokens, logprobs=row_logprobs(step.logits[:, None], tokens, step.samplers))
 
     def _speculative(self, plan: DecodePlan, rows: list[Row], samplers: list, x: mx.array) -> DecodeResult:
         spec = self.spec

@@ -295,16 +295,31 @@ class BatchScheduler:
         return DecodePlan(rows, k, drafting)
 
     def _decode(self) -> list[TextOutput]:
+        """One decode step of the batch. A plain step is launched before the previous one's tokens are read
+        (``ModelRunner.decode_ahead``), so it is those that come out here; a batch that cannot be decoded ahead reads the
+        launched step first and decodes serially from the next step on."""
         rows = list(self.running)
         self.batch_size_histogram[len(rows)] = self.batch_size_histogram.get(len(rows), 0) + 1
         try:
-            plan = self._plan_decode(rows)
-            result = self.runner.decode(plan)
-            self._observe(plan, result)
+            if self.runner.can_decode_ahead(rows):
+                done = self.runner.decode_ahead(self._plan_decode(rows))
+            else:
+                done = self.runner.settle()
+                if done is None:
+                    plan = self._plan_decode(rows)
+                    result = self.runner.decode(plan)
+                    self._observe(plan, result)
+                    done = (rows, result)
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
             logger.exception("decode step failed; failing %d running requests", len(rows))
             self.runner.clear()
             return [r.output("error", error=f"{type(e).__name__}: {e}") for r in rows]
+        if done is None:
+            return []
+        return self._emit(*done)
+
+    def _emit(self, rows: list[Row], result: DecodeResult) -> list[TextOutput]:
+        """The rows' tokens of one decode step: their outputs; rows that finished leave the batch."""
         outputs, finished = [], []
         for i, (row, tokens) in enumerate(zip(rows, result.tokens)):
             before = len(row.token_ids)
@@ -324,7 +339,7 @@ class BatchScheduler:
             if row.finish_reason:
                 finished.append(row)
                 if self.prefix_cache is not None:
-                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, i)
+                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, self.running.index(row))
         if finished:
             self._drop_rows(finished)
         return outputs
