@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -98,11 +99,15 @@ async def round_of(url: str, model: str, concurrency: int, max_tokens: int, offs
 @contextlib.contextmanager
 def peer_server(model: Path, max_num_seqs: int, log_dir: Path):
     port = free_port()
-    log = open(log_dir / f"mlx-vlm-{port}.log", "w")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
-                             "--port", str(port), "--max-num-seqs", str(max_num_seqs)], stdout=log, stderr=log, env=env)
     url = f"http://127.0.0.1:{port}"
+    with open(log_dir / f"mlx-vlm-{port}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
+                                 "--port", str(port), "--max-num-seqs", str(max_num_seqs)], stdout=log, stderr=log, env=env)
+        yield from _until_up(proc, url, log.name)
+
+
+def _until_up(proc: subprocess.Popen, url: str, log_name: str):
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -110,14 +115,13 @@ def peer_server(model: Path, max_num_seqs: int, log_dir: Path):
                 if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                     break
             if proc.poll() is not None:
-                raise RuntimeError(f"mlx-vlm server exited; see {log.name}")
+                raise RuntimeError(f"mlx-vlm server exited; see {log_name}")
             time.sleep(1)
         yield url
     finally:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
-        log.close()
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -140,18 +144,20 @@ def main() -> int:
     ap.add_argument("--mtp", action="store_true", help="--enable-mtp on the plugin")
     ap.add_argument("--no-peer", action="store_true", help="leave mlx-vlm's server out")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
+    ap.add_argument("--server-cmd", default=None, help="replaces the `vllm-mlx` console script (e.g. the GPU launcher)")
     a = ap.parse_args()
     log_dir = REPO / "benchmarks" / "results" / "tmp"
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ("--continuous-batching", "--mllm", "--max-num-seqs", str(a.concurrency))
     plugin_flags = ("--plugins", "mtp-routing", *common, *(("--enable-mtp",) if a.mtp else ()))
     with contextlib.ExitStack() as stack:
-        servers = {"host": stack.enter_context(serve(a.model, *common, log_dir=log_dir)).url,
-                   "plugin": stack.enter_context(serve(a.model, *plugin_flags, log_dir=log_dir)).url}
+        cmd = shlex.split(a.server_cmd) if a.server_cmd else None
+        servers = {"host": stack.enter_context(serve(a.model, *common, log_dir=log_dir, command=cmd, startup_timeout=600)).url,
+                   "plugin": stack.enter_context(serve(a.model, *plugin_flags, log_dir=log_dir, command=cmd, startup_timeout=600)).url}
         if not a.no_peer:
             servers["mlx-vlm"] = stack.enter_context(peer_server(a.model, a.concurrency, log_dir))
         model = str(a.model)
-        for name, url in servers.items():  # warm-up: compile paths, first image
+        for url in servers.values():  # warm-up: compile paths, first image
             asyncio.run(round_of(url, model, 2, 8, 100))
         rounds: dict[str, list[dict]] = {n: [] for n in servers}
         names = list(servers)
