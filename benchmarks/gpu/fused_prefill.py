@@ -4,7 +4,7 @@ one run on one model: prefill time of N prompt tokens (in --prefill-step-size ch
 step at batch 1 and 4, a 2-token MTP verify (backbone_forward with capture), greedy tokens of
 both, and the prefill chunk the engine's time budget picks with each.
 
-  python benchmarks/fused_prefill.py --model /root/qwen35-2b --out $OUT/fused_prefill.json   # CUDA machine
+  python benchmarks/gpu/fused_prefill.py --model /root/qwen35-2b --out $OUT/fused_prefill.json   # CUDA machine
 """
 
 from __future__ import annotations

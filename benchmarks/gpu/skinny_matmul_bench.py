@@ -10,8 +10,8 @@
    with a 128-token context: a decode step t1 and a 2-token verify without capture t2, batch 1/2/4/8,
    MLX's Linear vs the kernel's, alternating per iteration (medians and the median paired ratio).
 
-  python benchmarks/skinny_matmul_bench.py --out $OUT/skinny_matmul_gpu.json          # GPU
-  python benchmarks/skinny_matmul_bench.py --small --out /tmp/skinny.json             # CPU: logic only
+  python benchmarks/gpu/skinny_matmul_bench.py --out $OUT/skinny_matmul_gpu.json          # GPU
+  python benchmarks/gpu/skinny_matmul_bench.py --small --out /tmp/skinny.json             # CPU: logic only
 """
 
 from __future__ import annotations
