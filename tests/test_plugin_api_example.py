@@ -1,4 +1,4 @@
-"""The README's plugin example, as written, loaded by the real server: it refuses a flag and a request."""
+"""docs/plugin-api.md's plugin example, as written, loaded by the real server: it refuses a flag and a request."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from support.server import serve
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_example() -> str:
-    section = (REPO / "README.md").read_text().split("## Writing a plugin", 1)[1]
+def doc_example() -> str:
+    section = (REPO / "docs" / "plugin-api.md").read_text().split("## Writing a plugin", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "the README's plugin section lost its example"
+    assert match, "docs/plugin-api.md's plugin section lost its example"
     return match.group(1)
 
 
 @pytest.fixture(scope="module")
 def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_plugin(tmp_path_factory.mktemp("example"), "readme-example", "readme_example_mod", readme_example())
+    return make_plugin(tmp_path_factory.mktemp("example"), "readme-example", "readme_example_mod", doc_example())
 
 
 def test_example_refuses_a_bad_flag(example_dir: Path) -> None:
