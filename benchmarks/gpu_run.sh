@@ -15,8 +15,9 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 job=${1:-}
-if [ -z "$job" ] || [ ! -e "$here/gpu/$job.sh" ]; then
-  echo "usage: bash benchmarks/gpu_run.sh JOB   (JOB: $(cd "$here/gpu" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' '))" >&2
+if [ -z "$job" ] || [ "$job" = stage ] || [ ! -e "$here/gpu/$job.sh" ]; then
+  # gpu/stage.sh is not a job: it runs on the workstation, before (see benchmarks/README.md)
+  echo "usage: bash benchmarks/gpu_run.sh JOB   (JOB: $(cd "$here/gpu" && ls *.sh | grep -v '^stage' | sed 's/\.sh$//' | tr '\n' ' '))" >&2
   exit 2
 fi
 shift
