@@ -83,9 +83,9 @@ def test_the_hosts_own_counters_include_the_text_path(tiny_vlm_bf16: Path, share
 
 
 def _fresh_env() -> dict[str, str]:
-    """As a shell's: this process imported mlx-lm, which sets TRANSFORMERS_NO_ADVISORY_WARNINGS for itself."""
+    """As a shell's: this process imported mlx-lm and mlx-vlm, which set transformers' verbosity for themselves."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for name in ("VLLM_MLX_PLUGINS", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+    for name in ("VLLM_MLX_PLUGINS", "TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY"):
         env.pop(name, None)
     return env
 
