@@ -73,8 +73,8 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.step_plan import PrefillChunk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
-from step_costs import time_steps  # noqa: E402
+from lib import provenance  # noqa: E402
+from lib.shapes import time_steps  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 COUNTERS = ("drafted", "accepted", "steps_with_mtp", "steps_without_mtp")

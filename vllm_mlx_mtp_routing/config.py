@@ -99,8 +99,9 @@ def add_arguments(group: Any) -> None:
         "--mtp-schedule",
         choices=("adaptive", "always"),
         default="adaptive",
-        help="Text-path MTP with --enable-mtp: 'adaptive' (default) drafts per step only where measured "
-        "throughput says it pays and pauses rows with low acceptance; 'always' drafts every step for every row.",
+        help="Text-path MTP with --enable-mtp: 'adaptive' (default) drafts a step where the rows' recent acceptance "
+        "pays for a drafting step's cost, measured per batch size against a plain step; 'always' drafts every step "
+        "for every row.",
     )
     group.add_argument(
         "--mtp-max-batch-size",

@@ -22,12 +22,14 @@ from typing import Any
 from ..admission import AdmissionController, Ticket
 from ..config import RoutingSettings
 from ..host import asgi, engine_access as host, logprobs_response as host_logprobs, output_text as host_output, usage as host_usage
+from ..host.status_fields import TextTotals, count_text_path
 from ..plugin_api.engine_decorator import EngineDecorator
 from ..plugin_api.errors import RequestRejected
 from ..specprefill.settings import RequestChoice
 from ..text_engine.engine import TextEngine
 from ..text_engine.row_check import preflight
 from ..text_engine.state import MediaInput, TextOutput
+from . import routing_off
 from .fallbacks import FallbackReasons
 from .media import MEDIA_OPTIONS, has_media, media_items
 from .media_prompt import MediaPrompt, prepare_media_chat
@@ -76,13 +78,14 @@ class RoutingEngine(EngineDecorator):
     })
 
     # The decorator's own attributes (EngineDecorator: every other write goes to the host's engine).
-    _own_attrs = frozenset({"wrapped", "settings", "routes", "fallbacks", "disabled_reason", "_parts", "_text"})
+    _own_attrs = frozenset({"wrapped", "settings", "routes", "fallbacks", "disabled_reason", "totals", "_parts", "_text"})
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
         super().__init__(wrapped)
         self.settings = settings
         self.routes: Counter[str] = Counter(text=0, media=0, fallback=0)
         self.fallbacks = FallbackReasons()
+        self.totals = TextTotals()  # finished text requests: the host's own counters see only its path
         self.disabled_reason: str | None = "model not loaded yet"
         self._parts: ServingParts | None = None  # attached once the model is loaded
         self._text: TextPath | None = None  # the text path, once its engine runs
@@ -102,7 +105,7 @@ class RoutingEngine(EngineDecorator):
         self._parts = parts
         if parts.text is None:
             self.disabled_reason = parts.text_unavailable
-            logger.warning("Text routing disabled, every request goes to the MLLM path: %s", parts.text_unavailable)
+            routing_off.no_text_path(str(parts.text_unavailable)).log()
 
     async def start_text_path(self) -> None:
         text = self._attached().text
@@ -179,6 +182,9 @@ class RoutingEngine(EngineDecorator):
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + text["waiting"]
         if self.admission is not None:
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + self.admission.queued
+        if self._text is not None:
+            engine = self._text.engine
+            count_text_path(stats, self.totals, engine.scheduler.steps, engine.prefix_cache)
         built = self._built_text
         if self.settings.enable_mtp or (built is not None and built.drafts):
             # The host's own /v1/status `mtp` block: MTP runs on the text path, never on the mlx-vlm path here.
@@ -205,7 +211,8 @@ class RoutingEngine(EngineDecorator):
         return bool(self.wrapped.is_healthy()) and text_ok
 
     def routing_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"routing": dict(self.routes), "text_path": self.disabled_reason is None}
+        on = {"enabled": True} if self.disabled_reason is None else routing_off.no_text_path(self.disabled_reason).status()
+        stats: dict[str, Any] = {"routing": {**on, **self.routes}, "text_path": self.disabled_reason is None}
         stats["fallback_reasons"] = self.fallbacks.counts()
         stats["host_path_ignored"] = self.fallbacks.ignored_counts()
         if self.disabled_reason is not None:
@@ -292,6 +299,7 @@ class RoutingEngine(EngineDecorator):
             route = "media" if media else "text"
         sibling = getattr(asgi.current(), "sibling", None)
         if sibling is None or sibling.index == 0:  # the n copies of one request count once
+            _log_route(route, reason, call)
             self.routes[route] += 1
             if reason is not None:
                 self.fallbacks.note(reason)
@@ -432,6 +440,8 @@ class RoutingEngine(EngineDecorator):
             )
             async for out in engine.stream(request_id):
                 finished = out.finished
+                if finished:
+                    self.totals.finished(out.prompt_tokens, out.completion_tokens)
                 if sparse.enabled and out.specprefill is None:  # asked for, but the server has no draft
                     out.specprefill = no_draft_outcome(len(prompt_ids))
                 host_usage.record(cached_tokens=out.cached_tokens, finish_reason=out.finish_reason)
@@ -459,6 +469,16 @@ def _media_gap(text: TextPath, call: _Call) -> str | None:
     if not images:  # a media part the host's extraction does not read: its path, as without the plugin
         return "a media part the host does not read"
     return None
+
+
+def _log_route(route: str, reason: str | None, call: _Call) -> None:
+    """One line per request at the host's request-log level (its ``[REQUEST]`` lines are INFO)."""
+    if route == "text":
+        logger.info("[ROUTE] text path")
+    elif route == "media":
+        logger.info("[ROUTE] text path, media rows: %d image(s)", media_items(call.messages, call.options))
+    else:
+        logger.info("[ROUTE] mlx-vlm path (fallback): %s", reason)
 
 
 def _explicit_max_tokens(ctx: asgi.RequestContext | None) -> bool:
