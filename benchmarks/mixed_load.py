@@ -33,6 +33,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
+sys.path.insert(0, str(REPO / "benchmarks"))  # lib.*
+from lib.provenance import commit, device_line  # noqa: E402
 from support.server import free_port, serve  # noqa: E402
 
 TEXTS = ["Write a Python function that checks whether a string is a palindrome.",
@@ -166,7 +168,7 @@ def main() -> int:
                 rounds[name].append(asyncio.run(round_of(servers[name], model, a.concurrency, a.max_tokens, 10 * r)))
                 print(f"round {r} {name}: {rounds[name][-1]['tokens']} tokens in {rounds[name][-1]['wall']:.1f}s", file=sys.stderr)
         status = httpx.get(servers["plugin"] + "/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
-    report = {"model": str(a.model), "concurrency": a.concurrency, "max_tokens": a.max_tokens, "rounds": a.rounds,
+    report = {"command": " ".join(sys.argv), "commit": commit(), "device": device_line(), "model": str(a.model), "concurrency": a.concurrency, "max_tokens": a.max_tokens, "rounds": a.rounds,
               "plugin_mtp": a.mtp, "servers": {n: summary(rs) for n, rs in rounds.items()},
               "plugin_routing": status.get("routing"), "plugin_mtp_acceptance": status.get("mtp", {}).get("acceptance_rate")}
     keys = ["text_decode_tok_s", "image_decode_tok_s", "aggregate_tok_s", "text_ttft_s", "image_ttft_s"]
