@@ -135,3 +135,28 @@ def test_audio_stays_on_the_hosts_path_with_its_reason(plugin: Server) -> None:
     plugin.post("/v1/chat/completions", json=body, timeout=60)  # the host's answer, whatever it is
     assert plugin_status(plugin)["fallback_reasons"].get("media: audio", 0) == before + 1
     wait_idle(plugin, 30)
+
+
+def test_a_long_image_prompt_beside_running_streams(plugin: Server) -> None:
+    """Three images and a long text prefill in the budget's items while two text streams decode: every answer is the
+    one it gets alone, and every counter ends at 0."""
+    long_text = "Compare the three pictures, one paragraph each, then rank them. " * 12
+    images = {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": image_url(rgb)}}
+                                            for rgb in [(200, 10, 10), (10, 200, 10), (10, 10, 200)]),
+                                          {"type": "text", "text": long_text}]}
+    streams = [[{"role": "user", "content": "Write a long poem about rivers."}], [{"role": "user", "content": "def parse(line):"}]]
+    alone = [complete(plugin, m, 40)[0] for m in streams] + [complete(plugin, [images], 12)[0]]
+
+    async def together() -> list[str]:
+        client = plugin.async_openai(timeout=300)
+
+        async def one(messages: list[dict], n: int, delay: float) -> str:
+            await asyncio.sleep(delay)
+            stream = await client.chat.completions.create(model=plugin.model, messages=messages, max_tokens=n, temperature=0,
+                                                          stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        return await asyncio.gather(one(streams[0], 40, 0), one(streams[1], 40, 0), one([images], 12, 0.3))
+
+    assert [t.rstrip("\ufffd") for t in asyncio.run(together())] == alone
+    wait_idle(plugin, 30)
