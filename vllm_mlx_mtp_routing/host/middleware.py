@@ -56,7 +56,10 @@ class PluginRequestMiddleware:
         except RequestRejected as exc:
             await _refuse(scope, send, exc)
             return
+        changed = body is not None and request_body.drop_null_stream(body)
         if body is not None and path in GENERATION_PATHS and request_body.fill_aliases(body):
+            changed = True
+        if changed:
             raw = json.dumps(body).encode()
             scope = with_body_length(scope, len(raw))
         ctx.body = body or {}
