@@ -132,10 +132,14 @@ class Drain:
         """Chain the drain onto the server's SIGINT and SIGTERM handlers. Called on the event loop's thread once the
         server serves (the lifespan's start): uvicorn 0.54 installs its own handlers (``Server.capture_signals``)
         before that and restores the ones before it on exit."""
-        if threading.current_thread() is not threading.main_thread():
-            logger.debug("drain: not on the main thread, signals are not chained")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or threading.current_thread() is not threading.main_thread():
+            logger.debug("drain: no event loop on the main thread, signals are not chained")
             return
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous = signal.getsignal(signum)
             if not callable(previous) or getattr(previous, _CHAINED, False):
