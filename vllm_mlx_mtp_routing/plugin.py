@@ -16,7 +16,7 @@ from typing import Any
 from . import __version__, config, gc_pauses
 from .assembly import assemble
 from .config import PluginConfig, RoutingSettings
-from .host import engine_access
+from .host import drain, engine_access
 from .plugin_api.engine_decorator import find_decorator
 from .plugin_api.hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
 from .routing import RoutingEngine, request_options, routing_off
@@ -37,6 +37,7 @@ class MTPRoutingPlugin:
     @hookimpl
     def vllm_mlx_validate_args(self, args: argparse.Namespace) -> None:
         self.config = PluginConfig.from_args(args)
+        drain.DRAIN.configure(None if self.config.drain_timeout == float("inf") else self.config.drain_timeout)
 
     @hookimpl
     def vllm_mlx_wrap_engine(self, engine: Any, context: EngineContext) -> Any:
@@ -61,6 +62,7 @@ class MTPRoutingPlugin:
 
     @hookimpl
     def vllm_mlx_model_loaded(self, engine: Any, info: ModelInfo) -> Awaitable[None] | None:
+        drain.DRAIN.arm()  # the server's stop signals are installed by now (the lifespan's start)
         router: RoutingEngine | None = find_decorator(engine, RoutingEngine)
         if router is None:
             return None
