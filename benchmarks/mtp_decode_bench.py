@@ -162,43 +162,26 @@ class DecodeTimer:
         self.seconds, self.tokens, self.steps, self.end = 0.0, 0, 0, None
 
     def __enter__(self) -> DecodeTimer:
-        decode = self.runner.decode
-
-        def timed_decode(plan):
-            tic = time.perf_counter()
-            result = decode(plan)
-            self.end = time.perf_counter()
-            self.seconds += self.end - tic
-            self.tokens += sum(len(t) for t in result.tokens)
-            self.steps += 1
-            return result
-
-        self.runner.decode = timed_decode
-        for name in ("decode_ahead", "settle"):  # plain steps: launched ahead, read at the next step
-            setattr(self.runner, name, self.read(getattr(self.runner, name)))
+        # A serial step returns its result; a step launched ahead returns the (rows, result) of the one before, or None.
+        self.runner.decode = self.wrap(self.runner.decode, lambda result: result)
+        for name in ("decode_ahead", "settle"):
+            setattr(self.runner, name, self.wrap(getattr(self.runner, name), lambda done: done[1] if done else None))
         if self.spec is not None:
             for name in ("plan", "observe"):
                 setattr(self.spec, name, self.wrap(getattr(self.spec, name)))
         return self
 
-    def read(self, fn):
-        def timed(*args, **kwargs):
-            tic = time.perf_counter()
-            done = fn(*args, **kwargs)
-            self.end = time.perf_counter()
-            self.seconds += self.end - tic
-            if done is not None:
-                self.tokens += sum(len(t) for t in done[1].tokens)
-                self.steps += 1
-            return done
-        return timed
-
-    def wrap(self, fn):
+    def wrap(self, fn, result_of=None):
+        """``fn`` timed; with ``result_of`` (its return value -> a DecodeResult or None) its tokens and steps counted."""
         def timed(*args, **kwargs):
             tic = time.perf_counter()
             out = fn(*args, **kwargs)
             self.end = time.perf_counter()
             self.seconds += self.end - tic
+            result = result_of(out) if result_of is not None else None
+            if result is not None:
+                self.tokens += sum(len(t) for t in result.tokens)
+                self.steps += 1
             return out
         return timed
 

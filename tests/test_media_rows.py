@@ -23,7 +23,7 @@ from vllm_mlx_mtp_routing.routing.media_prompt import MediaPrompt, image_spans, 
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
-from vllm_mlx_mtp_routing.text_engine.state import TextRequest
+from vllm_mlx_mtp_routing.text_engine.state import TextOutput, TextRequest
 
 PREFILL = 16  # small: image prompts span several chunks, some cut inside an image
 
@@ -88,6 +88,16 @@ def run(sched: BatchScheduler, jobs: list) -> dict[int, list[int]]:
                 finals[int(out.request_id)] = out.token_ids
         step += 1
     return finals
+
+
+def finish(sched: BatchScheduler, request: TextRequest) -> TextOutput:
+    """Add ``request`` to a scheduler with nothing else to do and step until it ends: its final output."""
+    sched.add(request)
+    last = None
+    while sched.has_work():
+        last = next((o for o in sched.step() if o.finished), last)
+    assert last is not None
+    return last
 
 
 def alone(vl, prompt, n: int, **kw) -> list[int]:
@@ -174,23 +184,13 @@ def test_second_turn_resumes_past_the_same_image_only(vl):
     # what the two prompts share, a snapshot position of turn 1.
     shared = next(i for i, (a, b) in enumerate(zip(turn1.ids, turn2.ids)) if a != b)
     assert any(pos <= shared and pos > turn1.media.spans[0][1] for pos, _ in turn1.marks), (turn1.marks, shared)
-    sched.add(TextRequest("t2", turn2.ids, SamplingOptions(max_tokens=6), turn2.marks, media=turn2.media))
-    out = None
-    while sched.has_work():
-        for o in sched.step():
-            if o.finished:
-                out = o
-    assert out is not None and out.cached_tokens > turn1.media.spans[0][1]
+    out = finish(sched, TextRequest("t2", turn2.ids, SamplingOptions(max_tokens=6), turn2.marks, media=turn2.media))
+    assert out.cached_tokens > turn1.media.spans[0][1]
     assert out.token_ids == alone(vl, turn2, 6)  # a cold server's output
     assert first == alone(vl, turn1, 6)
     # The same conversation with another image of the same size: no hit past the image's first token.
     swapped = prepare(vl, [*chat([other], "What colour dominates?"), *follow[1:]], positions=True)
     assert swapped.ids == turn2.ids
-    sched.add(TextRequest("t3", swapped.ids, SamplingOptions(max_tokens=6), swapped.marks, media=swapped.media))
-    last = None
-    while sched.has_work():
-        for o in sched.step():
-            if o.finished:
-                last = o
-    assert last is not None and last.cached_tokens <= swapped.media.spans[0][0]
+    last = finish(sched, TextRequest("t3", swapped.ids, SamplingOptions(max_tokens=6), swapped.marks, media=swapped.media))
+    assert last.cached_tokens <= swapped.media.spans[0][0]
     assert last.token_ids == alone(vl, swapped, 6)
