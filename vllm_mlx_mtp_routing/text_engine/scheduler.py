@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import mlx.nn as nn
@@ -88,6 +89,7 @@ class BatchScheduler:
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk = prefill_step_size  # tokens per prefill forward; prefill_budget may lower it
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
+        self.idle_chunk: Callable[[int], int] | None = None  # chunks while no row decodes, where chunking is exact
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
@@ -146,6 +148,8 @@ class BatchScheduler:
         if row in self.running:
             self._drop_rows([row])
         else:
+            if row in self.prefilling and row.plan is not None:
+                row.plan.after_abort(row)  # a retry resumes where this prefill stopped
             (self.prefilling if row in self.prefilling else self.waiting).remove(row)
             if row.req.share is not None:
                 row.req.share.left(row)
@@ -239,10 +243,16 @@ class BatchScheduler:
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
         or ends that draw closer deeper into a prompt; see prefill_budget), never depending on the
-        other requests, and at the request's prefix-cache snapshot positions."""
+        other requests, and at the request's prefix-cache snapshot positions. Where the device's prefill does not
+        depend on its chunks (prefill_budget's ``chunk_exact``), a prompt takes large chunks while no row decodes."""
         start = row.prefilled
         grid = self.chunk_grid
-        end = grid.next_end(start) if grid is not None else (start // self.prefill_chunk + 1) * self.prefill_chunk
+        if self.idle_chunk is not None and not self.running:
+            end = start + self.idle_chunk(start)
+        elif grid is not None:
+            end = grid.next_end(start)
+        else:
+            end = (start // self.prefill_chunk + 1) * self.prefill_chunk
         end = min(end, row.to_prefill)
         return (row.plan.cut(start, end) if row.plan is not None else end) - start
 
