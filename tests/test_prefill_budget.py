@@ -318,7 +318,7 @@ def test_where_chunking_is_exact_a_lone_prompt_takes_large_chunks_and_outputs_do
     def run(*, idle: bool, beside: bool):
         sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=256)
         sched.chunk_grid = grid
-        sched.idle_chunk = (lambda p: 100) if idle else None
+        sched.idle_chunk = (lambda p, rate: 100) if idle else None
         if beside:  # a stream decodes while the long prompt prefills
             sched.add(TextRequest("s", rng.integers(10, 3000, size=5).tolist(), SamplingOptions(max_tokens=40)))
             sched.step()
@@ -352,4 +352,8 @@ def test_a_lone_prompts_chunk_fills_the_idle_time_within_the_step_size() -> None
         assert budget.chunk_s(n, p) <= IDLE_CHUNK_S or n == budget.chunk_at(p)
         assert n == budget.max_chunk_tokens or budget.chunk_s(n + MIN_CHUNK, p) > IDLE_CHUNK_S
     assert budget.idle_chunk_at(0) == 2048 and budget.idle_chunk_at(262144) < 2048
+    # from the last chunk's measured time: about IDLE_CHUNK_S of it, within the same bounds
+    assert budget.idle_chunk_at(262144, IDLE_CHUNK_S / 500) == 496
+    assert budget.idle_chunk_at(0, IDLE_CHUNK_S / 10**6) == 2048
+    assert budget.idle_chunk_at(262144, 100.0) == budget.chunk_at(262144)
     assert budget.stats()["idle_chunk_at"] is not None and _budget().stats()["idle_chunk_at"] is None

@@ -33,9 +33,10 @@ boundaries it would have met from its start.
 Where the device computes a prompt's state the same whatever its chunks (``chunk_exact``: probed at
 start, bitwise, by prefilling one prompt in several different chunkings; MLX's CPU backend is, its
 GPU kernels pick tiles and paths by shape), the grid is kept only while rows decode: a prompt
-prefilled while nothing else runs takes chunks of up to ``IDLE_CHUNK_S`` (``idle_chunk_at``), so a
-lone prompt pays no per-chunk cost for a stall bound no stream needs, and its output is still the
-same alone or batched.
+prefilled while nothing else runs takes chunks sized from its last chunk's measured time to take about
+``IDLE_CHUNK_S`` (``idle_chunk_at``; the projection above is a bound, and deep in a prompt it runs
+several times over), so a lone prompt pays no per-chunk cost for a stall bound no stream needs, and
+its output is still the same alone or batched.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ logger = logging.getLogger(__name__)
 
 MIN_CHUNK = 16
 IDLE_STEP_S = 0.25
-# A lone prompt's chunk where chunking is exact: long enough that a chunk's fixed cost is noise, short enough that
-# /health and a new request's admission wait at most about this long.
-IDLE_CHUNK_S = 1.0
+# A lone prompt's chunk where chunking is exact: long enough that a chunk's fixed cost is noise (~1%), short enough
+# that /health and a new request's admission wait about this long at most (the host: one 1024-token chunk).
+IDLE_CHUNK_S = 2.0
 # The chunkings of one probe prompt compared bitwise (chunk_exact): one forward, growing chunks from one token, halves.
 EXACT_PROBE = ((32,), (1, 2, 3, 5, 8, 13), (16, 16), (7, 25))
 # Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens (more where 24 tokens cost no more than 8, see calibrate). Where prefill is slow (a quantized model on
@@ -115,14 +116,21 @@ class PrefillBudget:
             lo, hi = (mid, hi) if self.chunk_s(mid, position) <= limit else (lo, mid - 1)
         return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
 
-    def idle_chunk_at(self, position: int) -> int:
-        """The chunk at ``position`` while no row decodes (``chunk_exact`` only): the largest projected within
-        ``IDLE_CHUNK_S`` (a multiple of ``MIN_CHUNK``), at most ``--prefill-step-size``, never below ``chunk_at``."""
-        lo, hi = self.chunk_at(position), self.max_chunk_tokens
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.chunk_s(mid, position) <= IDLE_CHUNK_S else (lo, mid - 1)
-        return lo if lo < MIN_CHUNK or lo == self.max_chunk_tokens else lo // MIN_CHUNK * MIN_CHUNK
+    def idle_chunk_at(self, position: int, seconds_per_token: float = 0.0) -> int:
+        """The chunk at ``position`` while no row decodes (``chunk_exact`` only): about ``IDLE_CHUNK_S`` at
+        ``seconds_per_token`` (the prompt's last chunk, measured; 0: the largest projected within it), a multiple of
+        ``MIN_CHUNK``, at most ``--prefill-step-size``, never below ``chunk_at``."""
+        least = self.chunk_at(position)
+        if seconds_per_token > 0:
+            n = int(IDLE_CHUNK_S / seconds_per_token)
+        else:
+            lo, hi = least, self.max_chunk_tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.chunk_s(mid, position) <= IDLE_CHUNK_S else (lo, mid - 1)
+            n = lo
+        n = min(n if n < MIN_CHUNK else n // MIN_CHUNK * MIN_CHUNK, self.max_chunk_tokens)
+        return max(n, least)
 
     @property
     def bounded(self) -> bool:

@@ -89,7 +89,9 @@ class BatchScheduler:
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk = prefill_step_size  # tokens per prefill forward; prefill_budget may lower it
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
-        self.idle_chunk: Callable[[int], int] | None = None  # chunks while no row decodes, where chunking is exact
+        # Chunks while no row decodes, where chunking is exact: (position, seconds a token of the last chunk) -> tokens.
+        self.idle_chunk: Callable[[int, float], int] | None = None
+        self._last_chunk_rate = 0.0  # seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
@@ -206,6 +208,8 @@ class BatchScheduler:
                         raise ran.error
                     done += ran.tokens
                     last = ran.seconds
+                    if isinstance(work, PrefillChunk) and ran.tokens and not self.running:
+                        self._last_chunk_rate = ran.seconds / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
@@ -248,7 +252,7 @@ class BatchScheduler:
         start = row.prefilled
         grid = self.chunk_grid
         if self.idle_chunk is not None and not self.running:
-            end = start + self.idle_chunk(start)
+            end = start + self.idle_chunk(start, self._last_chunk_rate if start else 0.0)
         elif grid is not None:
             end = grid.next_end(start)
         else:
