@@ -6,7 +6,9 @@ Both servers up at once on loopback, same model and flags (the host alone: ``vll
 P tokens to each server in turn (the order alternating round by round), non-streamed with max_tokens 1, so the
 answer's time is the time to first token; every prompt opens with its own round and server tag, so neither server
 has any of it cached. Reported: each server's seconds per round and the plugin/host ratio of each round's pair
-(the median and the range), which cancels most of the machine's drift.
+(the median and the range), which cancels most of the machine's drift. Beside the seconds, each answer's CPU
+seconds (the server process's user + system time over the request, all its threads): where other work shares the
+machine, the wall clock measures the machine's load as much as the server, CPU time much less so.
 
   python benchmarks/cold_ttft.py --prompt-tokens 10000 16000 --rounds 2
   python benchmarks/cold_ttft.py --plugin-flags "--prefill-stall-ratio 0"    # the plugin without the stall bound
@@ -49,13 +51,19 @@ def long_prompt(model: Path, tokens: int) -> str:
     return tok.decode(ids[: tokens - 24])  # room for the tag and the chat template's own tokens
 
 
-def ask(url: str, model: str, content: str, timeout: float) -> tuple[float, int]:
-    """(seconds to the answer, prompt tokens)."""
-    t0 = time.perf_counter()
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ask(url: str, model: str, content: str, timeout: float, pid: int) -> tuple[float, float, int]:
+    """(seconds to the answer, the server's CPU seconds for it, prompt tokens)."""
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     r = httpx.post(f"{url}/v1/chat/completions", timeout=timeout, json={
         "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0})
     r.raise_for_status()
-    return time.perf_counter() - t0, int(r.json()["usage"]["prompt_tokens"])
+    return time.perf_counter() - t0, cpu_seconds(pid) - cpu0, int(r.json()["usage"]["prompt_tokens"])
 
 
 def main() -> None:
@@ -81,7 +89,7 @@ def main() -> None:
         servers = {name: stack.enter_context(serve(args.model, *flags, log_dir=log_dir, startup_timeout=args.timeout))
                    for name, flags in variants.items()}
         for server in servers.values():  # first-use costs out of the way
-            ask(server.url, server.model, "warm up", args.timeout)
+            ask(server.url, server.model, "warm up", args.timeout, server.proc.pid)
         for tokens in args.prompt_tokens:
             prompt = long_prompt(args.model, tokens)
             rounds = []
@@ -89,15 +97,18 @@ def main() -> None:
                 order = list(servers) if k % 2 == 0 else list(reversed(servers))
                 pair = {}
                 for name in order:
-                    seconds, prompt_tokens = ask(servers[name].url, servers[name].model, f"[{tokens} {k} {name}] {prompt}",
-                                                 args.timeout)
-                    pair[name] = {"s": round(seconds, 2), "prompt_tokens": prompt_tokens}
+                    seconds, cpu, prompt_tokens = ask(servers[name].url, servers[name].model,
+                                                      f"[{tokens} {k} {name}] {prompt}", args.timeout, servers[name].proc.pid)
+                    pair[name] = {"s": round(seconds, 2), "cpu_s": round(cpu, 2), "prompt_tokens": prompt_tokens}
                 pair["ratio"] = round(pair["plugin"]["s"] / pair["host"]["s"], 3)
+                pair["cpu_ratio"] = round(pair["plugin"]["cpu_s"] / pair["host"]["cpu_s"], 3)
                 rounds.append(pair)
                 print(tokens, k, json.dumps(pair), flush=True)
-            ratios = [r["ratio"] for r in rounds]
+            ratios, cpu = [r["ratio"] for r in rounds], [r["cpu_ratio"] for r in rounds]
             results["lengths"][str(tokens)] = {"rounds": rounds, "ratio_median": round(statistics.median(ratios), 3),
-                                               "ratio_min": min(ratios), "ratio_max": max(ratios)}
+                                               "ratio_min": min(ratios), "ratio_max": max(ratios),
+                                               "cpu_ratio_median": round(statistics.median(cpu), 3),
+                                               "cpu_ratio_min": min(cpu), "cpu_ratio_max": max(cpu)}
         with contextlib.suppress(Exception):
             results["plugin_prefill"] = httpx.get(f"{servers['plugin'].url}/v1/status", timeout=30).json()[
                 "plugins"]["mtp-routing"].get("prefill")
