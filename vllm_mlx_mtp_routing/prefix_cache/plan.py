@@ -7,8 +7,9 @@ sizes a chunk, ``after_chunk`` after each chunk, ``after_abort`` when the reques
 ``after_generation`` when the request finishes.
 
 A long prefill keeps its progress: besides the chat's own positions, a ``progress`` snapshot every
-``PROGRESS_TOKENS`` positions (fixed positions, so a prompt's chunks end there alone or batched, resumed or cold)
-and one where an aborted prefill stopped (a chunk end): a client that hangs up and retries resumes there.
+``PROGRESS_TOKENS`` positions (fixed positions, so a prompt's chunks end there alone or batched, resumed or cold;
+only in a prefill longer than that) and one where an aborted prefill stopped (a chunk end): a client that hangs up
+and retries resumes there.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ class SnapshotPlan:
             seq.cached_tokens = restored = hit.length
             logger.debug("prefix cache hit for %s: %d of %d prompt tokens (%s)", seq.rid, hit.length, len(prompt_ids), hit.kind)
         positions: dict[int, str] = {}
-        for pos in range(PROGRESS_TOKENS, to_prefill, PROGRESS_TOKENS):
-            if pos > restored:
-                positions[pos] = "progress"
+        if to_prefill - restored > PROGRESS_TOKENS:  # a short prefill (a later turn's suffix) is not cut for them
+            for pos in range(PROGRESS_TOKENS, to_prefill, PROGRESS_TOKENS):
+                if pos > restored:
+                    positions[pos] = "progress"
         for pos, kind in seq.req.snapshot_at:
             if restored < pos <= to_prefill:
                 positions[pos] = kind
