@@ -33,10 +33,11 @@ boundaries it would have met from its start.
 Where the device computes a prompt's state the same whatever its chunks (``chunk_exact``: probed at
 start, bitwise, by prefilling one prompt in several different chunkings; MLX's CPU backend is, its
 GPU kernels pick tiles and paths by shape), the grid is kept only while rows decode: a prompt
-prefilled while nothing else runs takes chunks sized from its last chunk's measured time to take about
-``IDLE_CHUNK_S`` (``idle_chunk_at``; the projection above is a bound, and deep in a prompt it runs
-several times over), so a lone prompt pays no per-chunk cost for a stall bound no stream needs, and
-its output is still the same alone or batched.
+prefilled while nothing else runs takes chunks sized from its last chunk's measured CPU time to take
+about ``IDLE_CHUNK_S`` (``idle_chunk_at``; the projection above is a bound, and deep in a prompt it runs
+several times over; CPU seconds, so that other work on the machine does not shrink them), so a lone
+prompt pays no per-chunk cost for a stall bound no stream needs, and its output is still the same
+alone or batched.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ IDLE_STEP_S = 0.25
 # A lone prompt's chunk where chunking is exact: long enough that a chunk's fixed cost is noise (~1%), short enough
 # that /health and a new request's admission wait about this long at most (the host: one 1024-token chunk).
 IDLE_CHUNK_S = 2.0
-# The chunkings of one probe prompt compared bitwise (chunk_exact): one forward, growing chunks from one token, halves.
-EXACT_PROBE = ((32,), (1, 2, 3, 5, 8, 13), (16, 16), (7, 25))
+# The chunkings of one probe prompt compared bitwise (chunk_exact): one forward, growing chunks from one token, halves,
+# odd sizes (a kernel picked by shape changes at sizes like these).
+EXACT_PROBE = ((64,), (1, 2, 3, 5, 8, 13, 32), (32, 32), (7, 57))
 # Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens (more where 24 tokens cost no more than 8, see calibrate). Where prefill is slow (a quantized model on
 # MLX's CPU backend) larger probes would cost the start-up tens of seconds.
 PROBE_SMALL = 8

@@ -91,7 +91,7 @@ class BatchScheduler:
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
         # Chunks while no row decodes, where chunking is exact: (position, seconds a token of the last chunk) -> tokens.
         self.idle_chunk: Callable[[int, float], int] | None = None
-        self._last_chunk_rate = 0.0  # seconds per token of the last dense chunk, while no row decodes
+        self._last_chunk_rate = 0.0  # CPU seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
@@ -203,13 +203,15 @@ class BatchScheduler:
                     work = self._next_work(row)
                     if done and not prefill_budget.more_prefill(self, done + work.tokens, started, last):
                         break
+                    cpu = time.process_time()
                     (ran,) = self.runner.prefill([work])
                     if ran.error is not None:
                         raise ran.error
                     done += ran.tokens
                     last = ran.seconds
                     if isinstance(work, PrefillChunk) and ran.tokens and not self.running:
-                        self._last_chunk_rate = ran.seconds / ran.tokens
+                        # CPU seconds: other work on the machine must not shrink a lone prompt's chunks
+                        self._last_chunk_rate = (time.process_time() - cpu) / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
