@@ -274,6 +274,7 @@ def _held(cache: Any) -> mx.array:
     """A cache's state as one array: an attention layer's keys and values up to its offset (its buffer is reserved
     in steps), a gated-delta layer's conv and recurrent state."""
     if isinstance(cache, KVCache):
+        assert cache.keys is not None and cache.values is not None  # the probe prefilled it
         parts = [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
     else:
         parts = [x for x in cache.state if x is not None]
