@@ -213,6 +213,8 @@ def summarize(results: dict[str, list[list[dict]]], turns: int, changed: list[li
             row = {"turn": t + 1, "ttft_s": [round(r["ttft_s"], 3) for r in recs],
                    "ttft_mean_s": round(statistics.fmean(r["ttft_s"] for r in ok), 3) if ok else None,
                    "errors": len(recs) - len(ok)}
+            if recs and all("server_cpu_s" in r for r in recs):
+                row["server_cpu_s"] = round(sum(r["server_cpu_s"] for r in recs), 3)
             if ok and all("prompt_tokens" in r for r in ok):
                 row["prompt_tokens"] = [r["prompt_tokens"] for r in ok]
                 row["cached_tokens"] = [r.get("cached_tokens", 0) for r in ok]
@@ -237,7 +239,16 @@ def summarize(results: dict[str, list[list[dict]]], turns: int, changed: list[li
         for row, prow in zip(out["plugin"], out["mlx-lm"]):
             if row["ttft_mean_s"] and prow["ttft_mean_s"]:
                 row["ttft_vs_mlx_lm"] = round(row["ttft_mean_s"] / prow["ttft_mean_s"], 3)
+            if row.get("server_cpu_s") and prow.get("server_cpu_s"):
+                row["cpu_vs_mlx_lm"] = round(row["server_cpu_s"] / prow["server_cpu_s"], 3)
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a server process so far, all its threads (a turn's cost where other work shares
+    the machine and the wall clock measures its load as much as the server)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prefill_clock(model_path: Path, ids: list[int], chunk: int, repeats: int = 2) -> list[float]:
@@ -349,19 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     with contextlib.ExitStack() as stack:
         urls: dict[str, tuple[str, str]] = {}
+        pids: dict[str, int] = {}
         for s in servers:
             if s == "host":
                 srv = stack.enter_context(testing_server.serve(model, *base, log_dir=log_dir, startup_timeout=300,
                                                                command=cmd))
-                urls[s] = (srv.url, srv.model)
+                urls[s], pids[s] = (srv.url, srv.model), srv.proc.pid
             elif s == "plugin":
                 flags = [*base, "--plugins", "mtp-routing", *a.plugin_flags.split()]
                 srv = stack.enter_context(testing_server.serve(model, *flags, log_dir=log_dir, startup_timeout=300,
                                                                command=cmd))
-                urls[s] = (srv.url, srv.model)
+                urls[s], pids[s] = (srv.url, srv.model), srv.proc.pid
             elif s == "mlx-lm":
                 srv = stack.enter_context(mlx_lm_server(a.mlx_lm_python, model, log_dir))
-                urls[s] = (srv.url, str(model))
+                urls[s], pids[s] = (srv.url, str(model)), srv.proc.pid
             else:
                 raise SystemExit(f"unknown server {s!r}")
         try:
@@ -369,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                 order = servers[t % len(servers):] + servers[: t % len(servers)]
                 for s in order:
                     url, name = urls[s]
+                    cpu0 = cpu_seconds(pids[s])
                     recs = asyncio.run(run_turn(url, name, convs, t, a.max_tokens))
+                    cpu = cpu_seconds(pids[s]) - cpu0
+                    for r in recs:  # the server's CPU seconds over the turn, shared by its requests
+                        r["server_cpu_s"] = cpu / len(recs)
                     results[s].append(recs)
                     print(f"turn {t + 1} {s}: ttft {[round(r['ttft_s'], 2) for r in recs]} "
                           f"cached {[r.get('cached_tokens') for r in recs]} "

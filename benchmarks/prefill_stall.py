@@ -12,7 +12,8 @@ prefill budget; /health under 1 s.
 
 ``--prep-probes N``: then, with both servers up, N rounds alternating between them: the streams run while a
 long prompt arrives with max_tokens past the model's context, so the server prepares it (chat template,
-tokenization, snapshot positions) and answers 400 before any prefill; the streams' longest gap overlapping
+tokenization, snapshot positions) and answers 400 before any prefill (under ``--strict-max-tokens``, which the
+probes' servers get: without it an overflowing max_tokens is cut to the context); the streams' longest gap overlapping
 the request is what the preparation costs them (``prep_probes`` in the JSON). ``--skip-prefill``: probes only.
 
   python benchmarks/prefill_stall.py --base /path/to/baseline-checkout
@@ -218,6 +219,12 @@ def prep_probes(servers: dict, prompt: str, args: argparse.Namespace, context: i
     return out
 
 
+def strict_flag_known(checkout: Path) -> bool:
+    """Does this checkout's plugin have --strict-max-tokens (older ones refused an overflowing max_tokens anyway)?"""
+    config = checkout / "vllm_mlx_mtp_routing" / "config.py"
+    return config.exists() and "--strict-max-tokens" in config.read_text()
+
+
 def plugin_prefill_stats(url: str) -> dict | None:
     return httpx.get(f"{url}/v1/status", timeout=30).json()["plugins"]["mtp-routing"].get("prefill")
 
@@ -255,6 +262,7 @@ def main() -> None:
     command = args.command.split() if args.command else None
     variants = ([("before", {"PYTHONPATH": os.pathsep.join(filter(None, [str(args.base), os.environ.get("PYTHONPATH", "")]))})]
                 if args.base else []) + [("after", {})]
+    strict = {name: bool(args.prep_probes) and strict_flag_known(args.base if name == "before" else REPO) for name, _ in variants}
     if args.fresh_ptx_cache:  # each server compiles its own CUDA kernels: neither starts on what the other compiled
         import tempfile
 
@@ -265,8 +273,9 @@ def main() -> None:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "prefill_stall_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:  # the servers are up together; one at a time is measured
-        servers = {name: stack.enter_context(serve(args.model, *flags, log_dir=log_dir, env=env, command=command,
-                                                   startup_timeout=args.timeout)) for name, env in variants}
+        servers = {name: stack.enter_context(serve(args.model, *flags, *(["--strict-max-tokens"] if strict[name] else []),
+                                                   log_dir=log_dir, env=env, command=command, startup_timeout=args.timeout))
+                   for name, env in variants}
         for server in servers.values():
             httpx.post(f"{server.url}/v1/chat/completions", timeout=args.timeout, json={
                 "model": server.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})

@@ -26,7 +26,7 @@ SHARED_SERVER_UNITS = {
     "test_mtp_e2e.py": "trained-servers", "test_logits_processing_e2e.py": "trained-servers",
     "test_reliability_e2e.py": "shared-bf16-server", "test_malformed_input_e2e.py": "shared-bf16-server",
     "test_fuzz_e2e.py": "shared-bf16-server", "test_cache_salt_e2e.py": "shared-bf16-server",
-    "test_operator_messages_e2e.py": "shared-bf16-server",
+    "test_operator_messages_e2e.py": "shared-bf16-server", "test_agent_replays_e2e.py": "shared-bf16-server",
 }
 
 
@@ -157,6 +157,15 @@ def tiny_vlm_fp32(tiny_vlm_factory: Callable[..., Path]) -> Path:
 def tiny_vlm_bf16(tiny_vlm_factory: Callable[..., Path]) -> Path:
     """bf16 tiny Qwen3.5 VLM (the fp32 weights rounded), MTP head in mtp/weights.safetensors."""
     return tiny_vlm_factory("bfloat16", "subdir")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_bf16_1k(tiny_vlm_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bf16 tiny VLM seen with a 1024-token context: a prompt can fill it cheaply (one path per worker, so the
+    modules of a work unit share its server)."""
+    from support.tiny_model import with_context
+
+    return with_context(tiny_vlm_bf16, tmp_path_factory.getbasetemp() / "context-1k" / tiny_vlm_bf16.name, 1024)
 
 
 @pytest.fixture(scope="module")

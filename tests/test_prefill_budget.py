@@ -286,3 +286,74 @@ def test_a_prompt_longer_than_a_chunk_joins_the_step_after_its_last_chunk_while_
     assert join_steps(12, beside=True) == (0, 0)  # one chunk: prefilled and joined in one step
     alone = join_steps(60, beside=False)
     assert alone[0] == alone[1]  # nothing decoding: no stream to spare
+
+
+def test_the_exactness_probe_tells_a_device_whose_chunks_change_the_numerics(tiny_text) -> None:
+    import mlx.core as mx
+
+    from vllm_mlx_mtp_routing.text_engine.prefill_budget import chunking_is_exact
+
+    model, _ = tiny_text
+    ids = mx.random.randint(0, 1000, (1, 80), key=mx.random.key(0))
+    assert chunking_is_exact(model, ids)  # MLX's CPU backend: a prompt's state does not depend on its chunks
+
+    class ChunkSensitive:  # a state that depends on the chunk sizes, as a GPU's shape-picked kernels may make it
+        def make_cache(self):
+            return model.make_cache()
+
+        def __call__(self, tokens, cache):
+            out = model(tokens, cache=cache)
+            cache[0][1] = cache[0][1] * (1 + 1e-3 * tokens.shape[1] ** 2)
+            return out
+
+    assert not chunking_is_exact(ChunkSensitive(), ids)
+
+
+def test_where_chunking_is_exact_a_lone_prompt_takes_large_chunks_and_outputs_do_not_change(tiny_text) -> None:
+    model, tok = tiny_text
+    grid = ChunkGrid(lambda p: max(1, 24 - p // 8))
+    rng = np.random.default_rng(21)
+    long_prompt = rng.integers(10, 3000, size=230).tolist()
+
+    def run(*, idle: bool, beside: bool):
+        sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=256)
+        sched.chunk_grid = grid
+        sched.idle_chunk = (lambda p, rate: 100) if idle else None
+        if beside:  # a stream decodes while the long prompt prefills
+            sched.add(TextRequest("s", rng.integers(10, 3000, size=5).tolist(), SamplingOptions(max_tokens=40)))
+            sched.step()
+        chunks, real = [], sched.runner.prefill
+
+        def spy(work):
+            chunks.extend(w.end - w.start for w in work if w.row.rid == "p")
+            return real(work)
+
+        sched.runner.prefill = spy
+        sched.add(TextRequest("p", long_prompt, SamplingOptions(max_tokens=6)))
+        finals = {out.request_id: out.token_ids for _ in range(500) if sched.has_work() for out in sched.step()
+                  if out.finished}
+        return finals["p"], chunks
+
+    lone, lone_chunks = run(idle=True, beside=False)
+    batched, batched_chunks = run(idle=True, beside=True)
+    reference, grid_chunks = run(idle=False, beside=False)
+    assert lone_chunks == [100, 100, 29]  # nothing decodes: the large chunks
+    assert max(batched_chunks) <= 24 and len(batched_chunks) > len(lone_chunks)  # the grid while the stream decodes
+    assert lone == batched == reference and grid_chunks != lone_chunks
+
+
+def test_a_lone_prompts_chunk_fills_the_idle_time_within_the_step_size() -> None:
+    from vllm_mlx_mtp_routing.text_engine.prefill_budget import IDLE_CHUNK_S
+
+    budget = _budget(chunk_exact=True)
+    for p in (0, 1024, 16384, 262144):
+        n = budget.idle_chunk_at(p)
+        assert budget.chunk_at(p) <= n <= budget.max_chunk_tokens
+        assert budget.chunk_s(n, p) <= IDLE_CHUNK_S or n == budget.chunk_at(p)
+        assert n == budget.max_chunk_tokens or budget.chunk_s(n + MIN_CHUNK, p) > IDLE_CHUNK_S
+    assert budget.idle_chunk_at(0) == 2048 and budget.idle_chunk_at(262144) < 2048
+    # from the last chunk's measured time: about IDLE_CHUNK_S of it, within the same bounds
+    assert budget.idle_chunk_at(262144, IDLE_CHUNK_S / 500) == 496
+    assert budget.idle_chunk_at(0, IDLE_CHUNK_S / 10**6) == 2048
+    assert budget.idle_chunk_at(262144, 100.0) == budget.chunk_at(262144)
+    assert budget.stats()["idle_chunk_at"] is not None and _budget().stats()["idle_chunk_at"] is None

@@ -227,3 +227,42 @@ def test_abort_mid_prefill_after_a_hit_leaves_the_cache_usable(tiny):
     assert all(e.pins == 0 for e in cache.tree.entries())
     (out,), _ = run(bundle, tok, [(0, SYSTEM + U2, SamplingOptions(max_tokens=8))], cache=cache)
     assert out.cached_tokens == len(SYSTEM) and out.token_ids == cold(bundle, tok, SYSTEM + U2, 8)
+
+
+def test_a_prefill_aborted_halfway_is_resumed_by_its_retry_and_equals_cold(tiny):
+    """A client that hangs up mid-prefill and retries: the retry restores where the aborted prefill stopped (a chunk
+    end) and its output equals a cold run's."""
+    from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+    from vllm_mlx_mtp_routing.text_engine.state import TextRequest
+
+    bundle, tok = tiny
+    cache = _cache(bundle)
+    prompt = _tokens(90, 12)
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=2, prefill_step_size=PREFILL, prefix_cache=cache)
+    sched.prefill_time_s = (1e-9, 1e-9)  # one chunk a step
+    sched.add(TextRequest("a", prompt, SamplingOptions(max_tokens=6)))
+    for _ in range(3):
+        sched.step()
+    stopped = sched.prefilling[0].prefilled
+    assert 0 < stopped < len(prompt) - 1
+    sched.abort("a")
+    assert cache.stats()["snapshots_saved"] == 1
+    (out,), _ = run(bundle, tok, [(0, prompt, SamplingOptions(max_tokens=6))], cache=cache)
+    assert out.cached_tokens == stopped and out.token_ids == cold(bundle, tok, prompt, 6)
+    assert cache.stats()["hits_by_kind"] == {"progress": 1}
+
+
+def test_a_long_prefill_leaves_progress_snapshots_at_fixed_positions(tiny, monkeypatch):
+    from vllm_mlx_mtp_routing.prefix_cache import plan
+
+    monkeypatch.setattr(plan, "PROGRESS_TOKENS", 24)
+    bundle, tok = tiny
+    cache = _cache(bundle)
+    prompt = _tokens(80, 13)
+    (first,), _ = run(bundle, tok, [(0, prompt, SamplingOptions(max_tokens=4))], cache=cache)
+    kinds = sorted((e.length, e.kind) for e in cache.tree.entries())
+    assert kinds[:3] == [(24, "progress"), (48, "progress"), (72, "progress")]
+    # another prompt sharing the first 50 tokens resumes at 48, and matches its cold run
+    other = prompt[:50] + _tokens(30, 14)
+    (out,), _ = run(bundle, tok, [(0, other, SamplingOptions(max_tokens=8))], cache=cache)
+    assert out.cached_tokens == 48 and out.token_ids == cold(bundle, tok, other, 8)

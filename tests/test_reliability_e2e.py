@@ -19,19 +19,17 @@ import pytest
 
 from support.plugin_status import SHARED_FLAGS, plugin_status, wait_idle
 from support.server import Server, serve
-from support.tiny_model import with_context
 
 pytestmark = pytest.mark.server
 
 LONG = 400  # tokens a stream would run for if nobody stopped it
-CONTEXT = 1024  # the module server's model context: a prompt can leave it a few tokens cheaply
+CONTEXT = 1024  # the module server's model context (tiny_vlm_bf16_1k): a prompt can leave it a few tokens cheaply
 TIMEOUT_PROMPT_REPEATS = 1000  # ~10K tokens: a prefill that outlasts a 1 s --timeout several times over
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vlm_bf16: Path, shared_server: Callable[..., Server], tmp_path_factory: pytest.TempPathFactory) -> Server:
-    model = with_context(tiny_vlm_bf16, tmp_path_factory.mktemp("context") / tiny_vlm_bf16.name, CONTEXT)
-    return shared_server(model, *SHARED_FLAGS)  # the shared flags, on a model whose context a prompt can fill cheaply
+def server(tiny_vlm_bf16_1k: Path, shared_server: Callable[..., Server]) -> Server:
+    return shared_server(tiny_vlm_bf16_1k, *SHARED_FLAGS)  # the shared flags, on a model whose context a prompt can fill cheaply
 
 
 def body(server: Server, content: str, **kw: object) -> dict:

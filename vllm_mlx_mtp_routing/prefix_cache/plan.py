@@ -3,7 +3,13 @@
 The scheduler's call sites (text_engine/batch.py): ``SnapshotPlan.start`` when the request's
 prefill begins (so requests that arrive together and share an uncached prefix find the snapshot
 the first of them just took: prefill runs one request at a time, oldest first), ``cut`` when it
-sizes a chunk, ``after_chunk`` after each chunk, ``after_generation`` when the request finishes.
+sizes a chunk, ``after_chunk`` after each chunk, ``after_abort`` when the request is aborted while it prefills,
+``after_generation`` when the request finishes.
+
+A long prefill keeps its progress: besides the chat's own positions, a ``progress`` snapshot every
+``PROGRESS_TOKENS`` positions (fixed positions, so a prompt's chunks end there alone or batched, resumed or cold;
+only in a prefill longer than that) and one where an aborted prefill stopped (a chunk end): a client that hangs up
+and retries resumes there.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from .cache import PrefixCache
 from .snapshot import from_batch_row
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
+
+PROGRESS_TOKENS = 4096
 
 
 class SnapshotPlan:
@@ -42,6 +50,10 @@ class SnapshotPlan:
             seq.cached_tokens = restored = hit.length
             logger.debug("prefix cache hit for %s: %d of %d prompt tokens (%s)", seq.rid, hit.length, len(prompt_ids), hit.kind)
         positions: dict[int, str] = {}
+        if to_prefill - restored > PROGRESS_TOKENS:  # a short prefill (a later turn's suffix) is not cut for them
+            for pos in range(PROGRESS_TOKENS, to_prefill, PROGRESS_TOKENS):
+                if pos > restored:
+                    positions[pos] = "progress"
         for pos, kind in seq.req.snapshot_at:
             if restored < pos <= to_prefill:
                 positions[pos] = kind
@@ -65,9 +77,19 @@ class SnapshotPlan:
             return
         self.cache.count_prefilled(n)
         kind = self.positions.get(seq.prefilled)
-        if kind is None:
+        if kind is not None:
+            self._save(seq, kind)
+
+    def after_abort(self, seq: Row) -> None:
+        """Keep what an aborted dense prefill did (its caches end on a chunk end), unless a snapshot is there."""
+        if self.cache is None or seq.sparse is not None or seq.prefill is None or seq.prefilled <= 0:
             return
-        assert seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
+        if seq.prefilled in self.positions or seq.prefilled <= seq.cached_tokens:
+            return
+        self._save(seq, "progress")
+
+    def _save(self, seq: Row, kind: str) -> None:
+        assert self.cache is not None and seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
         try:
             self.cache.save(seq.req.cache_ids, kind, seq.prefill, seq.req.cache_salt)
         except Exception:  # a snapshot is an optimisation: the request goes on without it

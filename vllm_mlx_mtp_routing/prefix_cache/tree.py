@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # Where a snapshot sits in a chat; also its retention class (higher: kept longer).
-KINDS = ("generation", "prompt", "message", "system")
-_RETENTION = {"generation": 0, "prompt": 0, "message": 1, "system": 2}
+KINDS = ("progress", "generation", "prompt", "message", "system")
+_RETENTION = {"progress": 0, "generation": 0, "prompt": 0, "message": 1, "system": 2}
 
 
 class Payload(Protocol):

@@ -29,6 +29,15 @@ and only the number of chunks per step follows the clock: a prompt's chunks depe
 the prompt and the server, which keeps a request's output the same alone or in any batch (the
 engine's exactness; see batch.py), and a prompt resumed from a prefix-cache snapshot meets the
 boundaries it would have met from its start.
+
+Where the device computes a prompt's state the same whatever its chunks (``chunk_exact``: probed at
+start, bitwise, by prefilling one prompt in several different chunkings; MLX's CPU backend is, its
+GPU kernels pick tiles and paths by shape), the grid is kept only while rows decode: a prompt
+prefilled while nothing else runs takes chunks sized from its last chunk's measured CPU time to take
+about ``IDLE_CHUNK_S`` (``idle_chunk_at``; the projection above is a bound, and deep in a prompt it runs
+several times over; CPU seconds, so that other work on the machine does not shrink them), so a lone
+prompt pays no per-chunk cost for a stall bound no stream needs, and its output is still the same
+alone or batched.
 """
 
 from __future__ import annotations
@@ -50,6 +59,12 @@ logger = logging.getLogger(__name__)
 
 MIN_CHUNK = 16
 IDLE_STEP_S = 0.25
+# A lone prompt's chunk where chunking is exact: long enough that a chunk's fixed cost is noise (~1%), short enough
+# that /health and a new request's admission wait about this long at most (the host: one 1024-token chunk).
+IDLE_CHUNK_S = 2.0
+# The chunkings of one probe prompt compared bitwise (chunk_exact): one forward, growing chunks from one token, halves,
+# odd sizes (a kernel picked by shape changes at sizes like these).
+EXACT_PROBE = ((64,), (1, 2, 3, 5, 8, 13, 32), (32, 32), (7, 57))
 # Small probes: start-up pays ~(3 x 8 + 3 x 24) prompt tokens (more where 24 tokens cost no more than 8, see calibrate). Where prefill is slow (a quantized model on
 # MLX's CPU backend) larger probes would cost the start-up tens of seconds.
 PROBE_SMALL = 8
@@ -76,6 +91,7 @@ class PrefillBudget:
     stored_at: str | None = None  # when it was measured, if read from --prefill-calibration-file (calibration_file.py)
     attention_s: float = 0.0  # c: per chunk token per position it attends to
     probe_depth: int = 0  # where c was measured (0: not measured; chunks do not shrink with the position)
+    chunk_exact: bool = False  # the probe found a prompt's state the same whatever its chunks
 
     @property
     def target_s(self) -> float:
@@ -102,6 +118,22 @@ class PrefillBudget:
             lo, hi = (mid, hi) if self.chunk_s(mid, position) <= limit else (lo, mid - 1)
         return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
 
+    def idle_chunk_at(self, position: int, seconds_per_token: float = 0.0) -> int:
+        """The chunk at ``position`` while no row decodes (``chunk_exact`` only): about ``IDLE_CHUNK_S`` at
+        ``seconds_per_token`` (the prompt's last chunk, measured; 0: the largest projected within it), a multiple of
+        ``MIN_CHUNK``, at most ``--prefill-step-size``, never below ``chunk_at``."""
+        least = self.chunk_at(position)
+        if seconds_per_token > 0:
+            n = int(IDLE_CHUNK_S / seconds_per_token)
+        else:
+            lo, hi = least, self.max_chunk_tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.chunk_s(mid, position) <= IDLE_CHUNK_S else (lo, mid - 1)
+            n = lo
+        n = min(n if n < MIN_CHUNK else n // MIN_CHUNK * MIN_CHUNK, self.max_chunk_tokens)
+        return max(n, least)
+
     @property
     def bounded(self) -> bool:
         return self.ratio > 0 and self.decode_step_s > 0
@@ -111,12 +143,14 @@ class PrefillBudget:
         if self.bounded:
             scheduler.prefill_chunk = self.chunk_tokens
             scheduler.chunk_grid = ChunkGrid(self.chunk_at) if self.attention_s > 0 else None
+            scheduler.idle_chunk = self.idle_chunk_at if self.chunk_exact else None
             scheduler.prefill_time_s = (self.ratio, max(IDLE_STEP_S, self.target_s))
 
     def stats(self) -> dict[str, Any]:
         depths = [1024, 4096, 16384, 65536]
         return {**asdict(self), "target_s": self.target_s, "chunk_limit_s": self.chunk_limit_s,
-                "chunk_at": {str(p): self.chunk_at(p) for p in depths}}
+                "chunk_at": {str(p): self.chunk_at(p) for p in depths},
+                "idle_chunk_at": {str(p): self.idle_chunk_at(p) for p in depths} if self.chunk_exact else None}
 
 
 class ChunkGrid:
@@ -156,7 +190,7 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
     if ratio <= 0 or max_chunk <= MIN_CHUNK:
         return PrefillBudget(max_chunk, max_chunk, ratio, 0.0, 0.0, 0.0, 0.0)
     tic = time.perf_counter()
-    ids = mx.random.randint(0, max(vocab_size, 2), (1, max(max_chunk, PROBE_LARGE) + 8), key=mx.random.key(seed))
+    ids = mx.random.randint(0, max(vocab_size, 2), (1, max(max_chunk, PROBE_LARGE, sum(EXACT_PROBE[0]) + 1) + 8), key=mx.random.key(seed))
     mx.eval(ids)
 
     def forward(cache: list[Any], tokens: mx.array) -> None:
@@ -197,20 +231,54 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
     per_token = max((large - small) / (probe_large - PROBE_SMALL), 1e-9)
     fixed = max(small - per_token * PROBE_SMALL, 0.0)
     attention, depth = _attention_cost(model, forward, ids, probe_large, large)
+    exact = chunking_is_exact(model, ids)
     target = ratio * decode_s
     fit = int((target - fixed) / per_token) if target > fixed else 0
     chunk = min(max_chunk, max(MIN_CHUNK, fit // MIN_CHUNK * MIN_CHUNK))
     budget = PrefillBudget(chunk, max_chunk, ratio, decode_s, fixed, per_token, time.perf_counter() - tic, probe_large,
-                           attention_s=attention, probe_depth=depth)
+                           attention_s=attention, probe_depth=depth, chunk_exact=exact)
     budget = replace(budget, chunk_tokens=budget.chunk_at(0))  # its own attention counted too
     logger.info(
         "mtp-routing: text prefill chunk %d tokens, %d at position 16384 (a decode step %.1f ms; a chunk ~%.1f ms + "
         "%.3f ms/token + %.2f us/token/position; target %.1f ms = %g decode steps; --prefill-step-size %d; "
-        "measured in %.1f s)",
+        "measured in %.1f s); %s",
         budget.chunk_tokens, budget.chunk_at(16384), decode_s * 1e3, fixed * 1e3, per_token * 1e3, attention * 1e6, target * 1e3,
         ratio, max_chunk, budget.calibration_s,
+        f"chunking is exact here: a lone prompt's chunk {budget.idle_chunk_at(0)} tokens, {budget.idle_chunk_at(16384)} "
+        "at position 16384" if exact else "chunking changes numerics here: every prompt keeps the chunk grid",
     )
     return budget
+
+
+def chunking_is_exact(model: nn.Module, ids: mx.array) -> bool:
+    """Is a prompt's state (every cache array, the next token's logits) bitwise the same whatever its chunks, for
+    each chunking of ``EXACT_PROBE``?"""
+    reference: list[mx.array] | None = None
+    for chunks in EXACT_PROBE:
+        cache, position = model.make_cache(), 0
+        for n in chunks:
+            model(ids[:, position : position + n], cache=cache)
+            mx.eval([c.state for c in cache])
+            position += n
+        logits = model(ids[:, position : position + 1], cache=cache)
+        arrays = [logits, *(_held(c) for c in cache)]
+        mx.eval(arrays)
+        if reference is None:
+            reference = arrays
+        elif not all(mx.array_equal(a, b).item() for a, b in zip(arrays, reference)):
+            return False
+    return True
+
+
+def _held(cache: Any) -> mx.array:
+    """A cache's state as one array: an attention layer's keys and values up to its offset (its buffer is reserved
+    in steps), a gated-delta layer's conv and recurrent state."""
+    if isinstance(cache, KVCache):
+        assert cache.keys is not None and cache.values is not None  # the probe prefilled it
+        parts = [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
+    else:
+        parts = [x for x in cache.state if x is not None]
+    return mx.concatenate([p.astype(mx.float32).reshape(-1) for p in parts])
 
 
 def _attention_cost(model: nn.Module, forward: Any, ids: mx.array, tokens: int, shallow: float) -> tuple[float, int]:

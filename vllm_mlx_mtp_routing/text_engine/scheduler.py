@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import mlx.nn as nn
@@ -91,6 +92,9 @@ class BatchScheduler:
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk = prefill_step_size  # tokens per prefill forward; prefill_budget may lower it
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
+        # Chunks while no row decodes, where chunking is exact: (position, seconds a token of the last chunk) -> tokens.
+        self.idle_chunk: Callable[[int, float], int] | None = None
+        self._last_chunk_rate = 0.0  # CPU seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
         self.eos_ids = eos_ids_of(tokenizer) | set(eos_token_ids or ())
@@ -153,6 +157,8 @@ class BatchScheduler:
         if row in self.running:
             self._drop_rows([row])
         else:
+            if row in self.prefilling and row.plan is not None:
+                row.plan.after_abort(row)  # a retry resumes where this prefill stopped
             (self.prefilling if row in self.prefilling else self.waiting).remove(row)
             if row.req.share is not None:
                 row.req.share.left(row)
@@ -204,11 +210,15 @@ class BatchScheduler:
                     work = self._next_work(row)
                     if done and not prefill_budget.more_prefill(self, done + work.tokens, started, last):
                         break
+                    cpu = time.process_time()
                     (ran,) = self.runner.prefill([work])
                     if ran.error is not None:
                         raise ran.error
                     done += ran.tokens
                     last = ran.seconds
+                    if isinstance(work, PrefillChunk) and ran.tokens and not self.running:
+                        # CPU seconds: other work on the machine must not shrink a lone prompt's chunks
+                        self._last_chunk_rate = (time.process_time() - cpu) / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
@@ -252,10 +262,16 @@ class BatchScheduler:
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
         or ends that draw closer deeper into a prompt; see prefill_budget), never depending on the
-        other requests, and at the request's prefix-cache snapshot positions."""
+        other requests, and at the request's prefix-cache snapshot positions. Where the device's prefill does not
+        depend on its chunks (prefill_budget's ``chunk_exact``), a prompt takes large chunks while no row decodes."""
         start = row.prefilled
         grid = self.chunk_grid
-        end = grid.next_end(start) if grid is not None else (start // self.prefill_chunk + 1) * self.prefill_chunk
+        if self.idle_chunk is not None and not self.running:
+            end = start + self.idle_chunk(start, self._last_chunk_rate if start else 0.0)
+        elif grid is not None:
+            end = grid.next_end(start)
+        else:
+            end = (start // self.prefill_chunk + 1) * self.prefill_chunk
         end = min(end, row.to_prefill)
         return (row.plan.cut(start, end) if row.plan is not None else end) - start
 
