@@ -286,3 +286,25 @@ def test_a_prompt_longer_than_a_chunk_joins_the_step_after_its_last_chunk_while_
     assert join_steps(12, beside=True) == (0, 0)  # one chunk: prefilled and joined in one step
     alone = join_steps(60, beside=False)
     assert alone[0] == alone[1]  # nothing decoding: no stream to spare
+
+
+def test_a_model_whose_forward_fails_starts_with_one_line_and_the_fixed_chunk(tmp_path, caplog) -> None:
+    """A forward the device cannot run (as a bf16 MoE on MLX's CPU GatherMM was): one error line naming the cause, the
+    --prefill-step-size chunk, nothing stored."""
+    from vllm_mlx_mtp_routing.text_engine import calibration_file
+
+    class Refusing:
+        def make_cache(self) -> list:
+            return []
+
+        def __call__(self, tokens, cache=None):
+            raise RuntimeError("[GatherMM::eval] Currently only supports float32.")
+
+    path = tmp_path / "calibration.json"
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_mtp_routing"):
+        budget = calibration_file.calibrated(Refusing(), max_chunk=512, ratio=3.0, vocab_size=100, path=path, weights="w")
+    assert (budget.chunk_tokens, budget.bounded) == (512, False)
+    lines = [r for r in caplog.records if "forward fails" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR and not lines[0].exc_info
+    assert "RuntimeError: [GatherMM::eval] Currently only supports float32." in lines[0].getMessage()
+    assert not path.exists()
