@@ -25,6 +25,7 @@ SHARED_SERVER_UNITS = {
     "test_mtp_e2e.py": "trained-servers", "test_logits_processing_e2e.py": "trained-servers",
     "test_reliability_e2e.py": "shared-bf16-server", "test_malformed_input_e2e.py": "shared-bf16-server",
     "test_fuzz_e2e.py": "shared-bf16-server", "test_cache_salt_e2e.py": "shared-bf16-server",
+    "test_hostile_input_e2e.py": "shared-bf16-server",
 }
 
 

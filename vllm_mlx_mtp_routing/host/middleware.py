@@ -44,6 +44,11 @@ class PluginRequestMiddleware:
         """The body is read and checked first: its JSON is kept for the hooks, OpenAI aliases the host
         lacks are filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
         path = scope["path"]
+        coding = ctx.headers.get("content-encoding", "").strip().lower()
+        if coding not in ("", "identity"):  # neither uvicorn nor the host decompresses a body: it would read as junk
+            await _refuse(scope, send, RequestRejected(
+                415, f"Content-Encoding {coding!r} is not supported: request bodies are read as sent; send the JSON uncompressed"))
+            return
         raw = await request_body.read(receive)
         try:
             body = request_body.parse(raw)
