@@ -88,6 +88,8 @@ def test_count_tokens_counts_valid_input_and_refuses_junk(server: Server) -> Non
     assert r.status_code == 200, r.text
     assert r.json() == {"input_tokens": sum(len(tok.encode(t)) for t in (system, question, answer))}
     assert server.post(COUNT, json={**body, "max_tokens": 0}, timeout=30).status_code == 200  # a count takes no max_tokens
+    nulls = server.post(COUNT, json={**body, "tools": None, "tool_choice": None, "metadata": None}, timeout=30)
+    assert nulls.status_code == 200 and nulls.json() == r.json(), nulls.text  # optional fields given as null: unset
     assert_refused(server, COUNT, "messages", model=server.model, messages=5)
     assert_refused(server, COUNT, "messages[0]", model=server.model, messages=[7])
     assert_refused(server, COUNT, "tools[0]", **{**body, "tools": [1]})

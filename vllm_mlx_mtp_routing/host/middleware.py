@@ -58,7 +58,7 @@ class PluginRequestMiddleware:
         except RequestRejected as exc:
             await _refuse(scope, send, exc)
             return
-        if body is not None and path in GENERATION_PATHS and request_body.fill_aliases(body):
+        if body is not None and (body_checks.drop_nulls(path, body) or path in GENERATION_PATHS and request_body.fill_aliases(body)):
             raw = json.dumps(body).encode()
             scope = with_body_length(scope, len(raw))
         ctx.body = body or {}
