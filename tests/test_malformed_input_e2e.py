@@ -120,6 +120,23 @@ def test_responses_input_items_the_host_would_trip_over_are_400(server: Server, 
     assert_refused(server, RESPONSES, field, model=server.model, input=[item], max_output_tokens=3)
 
 
+def test_responses_tools_the_chat_request_refuses_are_400(server: Server) -> None:
+    """The host builds a chat request from a Responses one; its validation of what it copies (a function name) was
+    a 500 (found by the Schemathesis run, docs/robustness.md)."""
+    tool = {"type": "function", "name": "not a name!", "parameters": {"type": "object", "properties": {}}}
+    assert_refused(server, RESPONSES, "tools.0", model=server.model, input="hi", tools=[tool], max_output_tokens=3)
+
+
+@pytest.mark.parametrize("url", ["\u00a8", "/tmp/picture.png"])
+def test_image_references_that_are_no_url_are_400(server: Server, url: str) -> None:
+    """Found by the Schemathesis run: an Anthropic url image source (or a chat image_url) that is neither an http(s)
+    URL nor inline data was a 500 from the host's media path."""
+    block = {"type": "image", "source": {"type": "url", "url": url}}
+    assert_refused(server, MESSAGES, "http(s) URL", **anthropic(server, messages=[{"role": "user", "content": [block]}]))
+    part = {"type": "image_url", "image_url": {"url": url}}
+    assert_refused(server, CHAT, "http(s) URL", **chat(server, messages=[{"role": "user", "content": [part]}]))
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES, COUNT, RESPONSES])
 def test_bodies_that_are_not_json_objects_are_400_on_every_endpoint(server: Server, path: str) -> None:
     good = {CHAT: chat(server), COMPLETIONS: {"model": server.model, "prompt": "hi", "max_tokens": 3},
