@@ -113,6 +113,12 @@ def _top_logprobs(v: Any) -> None:
     _in_range("top_logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
 
 
+def _timeout(v: Any) -> None:
+    # vllm-mlx 0.6.0's per-request timeout (0: the server's --timeout): a negative one timed out at once, a 504
+    x = _number("timeout", v)
+    _in_range("timeout", x, x >= 0, ">= 0 (seconds; 0: the server's --timeout)")
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "seed": _seed,
     "temperature": _temperature,
@@ -129,6 +135,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "stop_sequences": _stop("stop_sequences"),
     "top_logprobs": _top_logprobs,
     "cache_salt": _cache_salt,
+    "timeout": _timeout,
 }
 
 
