@@ -105,10 +105,11 @@ def run(setup: str, model: Path, seed: int, examples: int, out: Path) -> tuple[d
         cmd = [schemathesis, "run", str(schema_path), "--url", server.url, "--seed", str(seed), "-n", str(examples),
                "--phases", PHASES, "--checks", "not_a_server_error", "--no-shrink", "--workers", "1",
                "--request-timeout", "120", "--report", "har", "--report-har-path", str(har), "--no-color",
-               "--suppress-health-check", "all", "--continue-on-failure"]
+               "--suppress-health-check", "all", "--continue-on-failure", "--generation-database", "none"]
         tic = time.monotonic()
         with open(out / f"{setup}-schemathesis.txt", "w") as log:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+            # in the run's folder: Schemathesis keeps a cache of its own in the working directory
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=out)
         elapsed = time.monotonic() - tic
         alive = server.post("/v1/chat/completions", timeout=120, json={
             "model": server.model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}).status_code
