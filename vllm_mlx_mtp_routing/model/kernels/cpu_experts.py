@@ -11,16 +11,14 @@ Nothing is converted ahead: weights stay as loaded, and the call's output keeps 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear as LMSwitchLinear
-from mlx_vlm.models.switch_layers import SwitchLinear as VLMSwitchLinear
 
 from .device import kind
 
-_BASES: tuple[type[nn.Module], ...] = (LMSwitchLinear, VLMSwitchLinear)  # mlx-lm 0.31.3, mlx-vlm 0.7.10
 _SIXTEEN_BITS = (mx.bfloat16, mx.float16)
 
 
@@ -41,13 +39,15 @@ def _float32_call(self: Any, x: mx.array, indices: mx.array, sorted_indices: boo
     return y
 
 
-_SUBCLASSES = {base: type(f"Float32{base.__name__}", (base,), {"__call__": _float32_call, "__module__": __name__})
-               for base in _BASES}
+@functools.cache
+def _subclasses() -> dict[type, type]:
+    """mlx-lm's and mlx-vlm's ``SwitchLinear`` (mlx-lm 0.31.3, mlx-vlm 0.7.10) -> their float32 subclasses; imported
+    when first needed (a loaded model has imported both already)."""
+    from mlx_lm.models.switch_layers import SwitchLinear as LMSwitchLinear
+    from mlx_vlm.models.switch_layers import SwitchLinear as VLMSwitchLinear
 
-
-def sixteen_bit_experts(module: nn.Module) -> int:
-    """How many of ``module``'s expert layers hold unquantized 16-bit weights."""
-    return sum(1 for _, m in module.named_modules() if isinstance(m, _BASES) and m["weight"].dtype in _SIXTEEN_BITS)
+    return {base: type(f"Float32{base.__name__}", (base,), {"__call__": _float32_call, "__module__": __name__})
+            for base in (LMSwitchLinear, VLMSwitchLinear)}
 
 
 def use_float32_experts(module: nn.Module) -> int:
@@ -57,7 +57,7 @@ def use_float32_experts(module: nn.Module) -> int:
         return 0
     n = 0
     for _, m in module.named_modules():
-        sub = _SUBCLASSES.get(type(m))
+        sub = _subclasses().get(type(m))
         if sub is not None and m["weight"].dtype in _SIXTEEN_BITS:
             m.__class__ = sub
             n += 1
