@@ -9,15 +9,18 @@ What is counted, per request (one batch row):
       one, so for a moment a layer's KV exists twice;
     - the gated-delta layers' fixed state: conv state [K-1, conv_dim] in the activation dtype and
       recurrent state [Hv, Dv, Dk] in float32 (mamba_ssm_dtype), independent of length;
-    - one decode step's working set (logits in float32 over the vocabulary for 1 + draft tokens).
+    - one decode step's working set (logits in float32 over the vocabulary for 1 + draft tokens; with
+      drafts, the verify's gated-delta state after each position, kept until it rolls back).
   transient (prefill only; `Ticket.prefill_done()` gives it back)
-    - the worst prefill chunk's working set: activations of one layer of each kind plus the
-      residual stream, the chunk's logits (mlx computes lm_head over the whole chunk before the
-      last row is sliced), the attention scores [heads, C, L] with a causal mask [C, L], which mlx's
-      sdpa fallback materializes (always on CPU; on Metal unless its fused kernel covers the head
-      dim, which is not assumed for Qwen3.5's 256 - pass fused_attention=True to drop the term),
-      and, off Metal, mlx-vlm's chunked gated-delta scan: float32 [Hv, T padded to 64, 64] blocks
-      (decay ratios, K K^T, the triangular inverse and its temporaries) plus float32 q, k, v copies.
+    - the worst prefill chunk's working set: what the chunk holds across its layers (the residual
+      stream, each gated-delta layer's conv input) plus its largest layer's working set, and the
+      chunk's logits where the path computes them (mlx-vlm's: lm_head over the whole chunk before
+      the last row is sliced). An attention layer counts its scores [heads, C, L] with a causal mask
+      [C, L], which mlx's sdpa fallback materializes (always on CPU; on Metal unless its fused kernel
+      covers the head dim, which is not assumed for Qwen3.5's 256 - pass fused_attention=True to drop
+      the term); a gated-delta layer, off Metal, mlx-vlm's chunked scan (float32 [Hv, T padded to 64,
+      64] blocks: decay ratios, K K^T, the triangular inverse and its temporaries, plus float32 q, k, v
+      copies), or on the text engine off the GPU, mlx-lm's recurrent state after every position.
       An MoE layer (Qwen3.5-MoE: `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, a shared
       expert) counts its router scores and, per token, its k experts' gathered inputs and activations
       plus the shared expert's, in place of a dense MLP (MoE configs have no `intermediate_size`).
