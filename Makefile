@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo lint test bench-quick
+.PHONY: setup demo lint test test-replicas bench-quick
 
 # The bootstrap .pth is copied into site-packages at install time: a change to it needs a reinstall.
 $(STAMP): pyproject.toml requirements/linux-host.txt requirements/linux-nodeps.txt requirements/test.txt requirements/lint.txt \
@@ -33,7 +33,19 @@ TEST_WORKERS ?= 2
 # where the environment turns that off: each fresh interpreter of the suite would otherwise compile them again.
 test: export PYTHONDONTWRITEBYTECODE :=
 test: setup lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not replicas"
+
+# Replicas behind a real router (docs/replicas.md): the routers are Rust binaries in wheels of their own (~25-30 MB
+# each), kept out of the suite's requirements and of the host's environment, in a virtual environment beside it.
+ROUTER_VENV := .venv-router
+$(ROUTER_VENV)/.installed: requirements/router.txt
+	$(PY) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q -r requirements/router.txt
+	touch $(ROUTER_VENV)/.installed
+
+test-replicas: export PYTHONDONTWRITEBYTECODE :=
+test-replicas: setup $(ROUTER_VENV)/.installed
+	$(BIN)/python -m pytest -q -s -m replicas tests/test_replicas_e2e.py
 
 $(VENV)/.bench: $(STAMP)
 	$(BIN)/pip install -q "matplotlib>=3.7"

@@ -20,7 +20,7 @@ conversation's previous turn, TTFT. Ratios are TTFT against the host alone in th
   python benchmarks/agentic_bench.py                      # 3 x 8 turns, ~4K-token prefix
   python benchmarks/agentic_bench.py --quick              # small, for tests
   python benchmarks/agentic_bench.py --mlx-lm-python /tmp/mlxlm-venv/bin/python
-The last stdout line is the JSON summary.
+It prints the table and the files it wrote (--out: the JSON and a Markdown table beside it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 from vllm_mlx_mtp_routing.prefix_cache.boundaries import common_tokens  # noqa: E402
 from support import server as testing_server  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from lib import provenance  # noqa: E402
+from lib.report import finish, random_weights  # noqa: E402
 
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
 
@@ -303,21 +306,6 @@ def markdown(summary: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def device_line() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_bench import device_line as serve_device_line
-
-    return serve_device_line()
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _raise_interrupted(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # so the servers are stopped on the way out
 
@@ -340,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="after the servers stop: time the plugin's prefill of the longest prompt in-process, chunk by chunk, "
                          "and report each turn's first-served TTFT against its suffix's prefill time (summary: ideal)")
     ap.add_argument("--server-cmd", default=None,
-                    help="replaces the vllm-mlx console script, e.g. 'python benchmarks/vllm_mlx_launcher.py --site DIR'")
+                    help="replaces the vllm-mlx console script, e.g. 'python benchmarks/lib/vllm_mlx_launcher.py --site DIR'")
     a = ap.parse_args(argv)
     if a.quick:
         a.conversations, a.turns, a.system_tokens = 2, 3, 600
@@ -407,16 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ideal = None
     meta = {"conversations": a.conversations, "turns": a.turns, "system_tokens": a.system_tokens,
-            "max_tokens": a.max_tokens, "device": device_line(), "model": str(model), "servers": servers,
-            "commit": os.environ.get("BENCH_COMMIT") or _git_commit(), "interrupted": interrupted}
+            "max_tokens": a.max_tokens, "device": provenance.device_line(), "model": str(model), "servers": servers,
+            "commit": provenance.commit(), "interrupted": interrupted}
     report = {"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"), "raw": results,
               **({"ideal": ideal} if ideal else {})}
-    print(markdown(summary, meta), file=sys.stderr)
+    files = []
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
         Path(a.out).with_suffix(".md").write_text(markdown(summary, meta) + "\n")
-    print(json.dumps({"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"),
-                      **({"ideal": ideal} if ideal else {})}))
+        files = [Path(a.out), Path(a.out).with_suffix(".md")]
+    finish(markdown(summary, meta), files, random=random_weights("", model))
     return 0
 
 

@@ -1,7 +1,6 @@
-# Sourced by the GPU benchmark scripts (gpu_serve.sh, gpu_mtp.sh) from the repository root:
-# unpacks MLX's CUDA build and installs the staged wheels into $SITE once per machine (see
-# gpu_serve.sh for the staging on the workstation), then exports the environment the benchmarks
-# run in. Needs REPO, SITE and PY set.
+# Sourced by the GPU jobs (benchmarks/gpu/*.sh, run by gpu_run.sh) from the repository root: unpacks MLX's CUDA
+# build and installs the staged wheels into $SITE once per machine (staging: benchmarks/README.md, "GPU runs"),
+# then exports the environment the benchmarks run in. Needs REPO, SITE and PY set.
 if [ ! -e "$SITE/.gpu_serve_staged" ]; then
   aa=$(ls /root/mlx.part.aa .device-a/mlx.part.aa 2>/dev/null | head -1)
   ab=.device-b/mlx.part.ab

@@ -73,8 +73,8 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.step_plan import PrefillChunk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
-from step_costs import time_steps  # noqa: E402
+from lib import provenance  # noqa: E402
+from lib.shapes import time_steps  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 COUNTERS = ("drafted", "accepted", "steps_with_mtp", "steps_without_mtp")
@@ -147,7 +147,8 @@ class Oracle:
 
 
 class DecodeTimer:
-    """A scheduler's decode steps, timed through its public parts: the runner's ``decode`` (the step's model work:
+    """A scheduler's decode steps, timed through its public parts: the runner's ``decode``, ``decode_ahead`` and
+    ``settle`` (the step's model work:
     forward, sampling, with MTP the drafts, verify, acceptance and rollback) and, with MTP, the decode's ``plan`` and
     ``observe`` around it (the draft policy's decision and bookkeeping). Wrapped on the instances while the timer is
     open (``with DecodeTimer(sched) as timer:``); the scheduler's own bookkeeping (stops, detokenizing, joins,
@@ -161,34 +162,31 @@ class DecodeTimer:
         self.seconds, self.tokens, self.steps, self.end = 0.0, 0, 0, None
 
     def __enter__(self) -> DecodeTimer:
-        decode = self.runner.decode
-
-        def timed_decode(plan):
-            tic = time.perf_counter()
-            result = decode(plan)
-            self.end = time.perf_counter()
-            self.seconds += self.end - tic
-            self.tokens += sum(len(t) for t in result.tokens)
-            self.steps += 1
-            return result
-
-        self.runner.decode = timed_decode
+        # A serial step returns its result; a step launched ahead returns the (rows, result) of the one before, or None.
+        self.runner.decode = self.wrap(self.runner.decode, lambda result: result)
+        for name in ("decode_ahead", "settle"):
+            setattr(self.runner, name, self.wrap(getattr(self.runner, name), lambda done: done[1] if done else None))
         if self.spec is not None:
             for name in ("plan", "observe"):
                 setattr(self.spec, name, self.wrap(getattr(self.spec, name)))
         return self
 
-    def wrap(self, fn):
+    def wrap(self, fn, result_of=None):
+        """``fn`` timed; with ``result_of`` (its return value -> a DecodeResult or None) its tokens and steps counted."""
         def timed(*args, **kwargs):
             tic = time.perf_counter()
             out = fn(*args, **kwargs)
             self.end = time.perf_counter()
             self.seconds += self.end - tic
+            result = result_of(out) if result_of is not None else None
+            if result is not None:
+                self.tokens += sum(len(t) for t in result.tokens)
+                self.steps += 1
             return out
         return timed
 
     def __exit__(self, *exc) -> None:
-        del self.runner.decode  # the class's methods again (a decode kept across runs is timed by the next timer)
+        del self.runner.decode, self.runner.decode_ahead, self.runner.settle  # the class's methods again
         if self.spec is not None:
             del self.spec.plan, self.spec.observe
 

@@ -63,8 +63,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-from provenance import commit, device, versions  # noqa: E402
-from step_costs import COMMON, PRESETS  # noqa: E402
+from lib.provenance import commit, device, versions  # noqa: E402
+from lib.shapes import COMMON, PRESETS  # noqa: E402
 from vllm_mlx_mtp_routing.model import backbone  # noqa: E402
 from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
     FusedGatedDeltaNet,

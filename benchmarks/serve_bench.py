@@ -10,14 +10,14 @@ acceptance when /v1/status reports one (the plugin's under status["plugins"]["mt
 mixed text+image workload with per-path throughput. Ratios plugin/host come from the same run.
 
 Writes JSON, a Markdown table and a PNG plot (matplotlib: the `bench` extra) to benchmarks/results/tmp/
-(ignored by git) unless --out-dir says where; the last stdout line is the JSON summary. To record a
-result that BENCHMARKS.md cites: --out-dir benchmarks/results.
+(ignored by git) unless --out-dir says where, and prints the tables and the files' names. A result that
+docs/benchmarks.md cites is kept in benchmarks/results/ (see benchmarks/README.md).
 
   python benchmarks/serve_bench.py --quick                    # < 60 s on 2 CPU cores
   python benchmarks/serve_bench.py --model trained            # models/tiny-qwen35-trained
   python benchmarks/serve_bench.py --model /path/to/qwen3.5-vlm --max-tokens 256
   python benchmarks/serve_bench.py --no-plugin                # host only
-  python benchmarks/serve_bench.py --server-cmd "python benchmarks/vllm_mlx_launcher.py --site /root/site"
+  python benchmarks/serve_bench.py --server-cmd "python benchmarks/lib/vllm_mlx_launcher.py --site /root/site"
                                                               # packages from `pip install --target`
 """
 
@@ -29,13 +29,9 @@ import base64
 import contextlib
 import io
 import json
-import os
-import platform
 import shlex
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +45,10 @@ sys.path.insert(0, str(REPO))  # run as a script from any directory
 sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 from support import server as testing_server  # noqa: E402
 from support.server import Server  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from lib.provenance import commit as git_commit, device_line  # noqa: E402
+from lib.report import finish, random_weights  # noqa: E402
 
 TRAINED = REPO / "models" / "tiny-qwen35-trained"
 
@@ -244,7 +244,7 @@ def measure(srv: Server, name: str, a, out: dict) -> None:
         n = max(c, int(c * a.requests_per_slot))
         res, wall = asyncio.run(run_round(srv.url, srv.model, c, n, a.max_tokens, 0, c * 100))
         rounds[str(c)] = summarize(res, wall)
-        print(f"[{name}] c={c}: {json.dumps(rounds[str(c)])}", file=sys.stderr, flush=True)
+        print(f"[{name}] c={c}: {progress(rounds[str(c)])}", file=sys.stderr, flush=True)
     if a.mixed:
         c = a.mixed_concurrency
         res, wall = asyncio.run(run_round(srv.url, srv.model, c, max(c, 2 * c if not a.quick else c),
@@ -252,7 +252,7 @@ def measure(srv: Server, name: str, a, out: dict) -> None:
         out["mixed"] = {"concurrency": c, "all": summarize(res, wall),
                         "text": summarize([r for r in res if r.path == "text"], wall),
                         "media": summarize([r for r in res if r.path == "media"], wall)}
-        print(f"[{name}] mixed: {json.dumps(out['mixed']['all'])}", file=sys.stderr, flush=True)
+        print(f"[{name}] mixed: {progress(out['mixed']['all'])}", file=sys.stderr, flush=True)
     record_status(srv, out)
 
 
@@ -301,7 +301,7 @@ def bench_interleaved(configs: list[tuple[str, list[str]]], model: Path, a, log_
                         acc[i] = (acc[i][0] + res, acc[i][1] + wall)
                 for out, (res, wall) in zip(outs, acc):
                     out["text"][str(c)] = summarize(res, wall)
-                    print(f"[{out['name']}] c={c}: {json.dumps(out['text'][str(c)])}", file=sys.stderr, flush=True)
+                    print(f"[{out['name']}] c={c}: {progress(out['text'][str(c)])}", file=sys.stderr, flush=True)
         except Interrupted as e:
             for out in outs:
                 out["interrupted"] = str(e)
@@ -332,6 +332,12 @@ def ratios(host: dict, plugin: dict) -> dict:
 # ---------------------------------------------------------------------------
 # reports
 # ---------------------------------------------------------------------------
+
+
+def progress(s: dict) -> str:
+    """One round on one line, while the run goes on."""
+    return (f"{s['requests']} requests, {s['completion_tokens']} tokens, {fmt(s['aggregate_tok_s'])} tok/s aggregate, "
+            f"TTFT p50 {fmt(s['ttft_p50_s'], 3)} s, {s['errors']} errors")
 
 
 def fmt(x, nd=1):
@@ -367,9 +373,10 @@ def markdown(report: dict) -> str:
                                                   f"{', '.join(cfg['text']) or 'none'}" if cfg.get("interrupted")
                                                   else "failed: " + cfg["failed"].strip().splitlines()[-1][:200]))
     for cfg in report["configs"]:
-        if cfg.get("mtp_acceptance"):
-            lines.append(f"\nMTP acceptance ({cfg['name']}): " +
-                         ", ".join(f"`{k}` = {v:.3f}" for k, v in cfg["mtp_acceptance"].items()))
+        rates = {k: v for k, v in (cfg.get("mtp_acceptance") or {}).items() if k.endswith("acceptance_rate")}
+        if rates:  # the plugin's own block where it has one, else the host's
+            key = next((k for k in rates if k.startswith("plugins.")), next(iter(rates)))
+            lines.append(f"\nMTP acceptance ({cfg['name']}, `{key}`): {rates[key]:.3f}")
     if report.get("ratios"):
         lines += ["", "Ratios plugin/host (same run):", "", "| conc | agg tok/s | decode tok/s/req | TTFT p50 |",
                   "|---|---|---|---|"]
@@ -410,42 +417,6 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
-def device_line() -> str:
-    import mlx.core as mx
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (f"MLX {mx.__version__} {mx.default_device()}, {os.cpu_count()} cores {cpu}, "
-            f"Python {platform.python_version()}{gpu_names()}")
-
-
-def gpu_names() -> str:
-    """', on NVIDIA H100 80GB HBM3 (driver 580.159.04)' where nvidia-smi answers, else ''."""
-    if not shutil.which("nvidia-smi"):
-        return ""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=False).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    gpus = [tuple(x.strip() for x in line.split(",", 1)) for line in out if "," in line]
-    return f", on {gpus[0][0]} (driver {gpus[0][1]})" + (f" x{len(gpus)}" if len(gpus) > 1 else "") if gpus else ""
-
-
-def git_commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # a copy of the tree without .git (a device machine)
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def resolve_model(spec: str, tmp: Path) -> Path:
     if spec == "trained":
         return TRAINED
@@ -478,7 +449,7 @@ def main(argv=None) -> int:
                     help="what the plugin configuration adds (default: --plugins mtp-routing)")
     ap.add_argument("--no-plugin", action="store_true", help="benchmark the host only")
     ap.add_argument("--server-cmd", default=None,
-                    help="command standing for `vllm-mlx`, e.g. 'python benchmarks/vllm_mlx_launcher.py --site DIR'")
+                    help="command standing for `vllm-mlx`, e.g. 'python benchmarks/lib/vllm_mlx_launcher.py --site DIR'")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results" / "tmp",
                     help="where the JSON, Markdown and PNG go (default benchmarks/results/tmp, not tracked)")
     ap.add_argument("--name", default=None, help="output file stem (default serve_bench[_quick])")
@@ -535,7 +506,8 @@ def main(argv=None) -> int:
         print("matplotlib not importable (pip install -e '.[bench]'): no plot written", file=sys.stderr)
     (a.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (a.out_dir / f"{stem}.md").write_text(markdown(report))
-    print(json.dumps(report))
+    written = [a.out_dir / f"{stem}.json", a.out_dir / f"{stem}.md"] + ([Path(report["plot"])] if report["plot"] else [])
+    finish(markdown(report), written, random=random_weights(a.model, model))
     complete = len(ok) == len(results) and not any("interrupted" in c for c in ok)
     return 0 if complete else 1
 

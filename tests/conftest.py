@@ -22,10 +22,11 @@ from support.tiny_model import tiny_model_dir
 # Modules that take the same server from `shared_server` are one work unit, so it starts once.
 SHARED_SERVER_UNITS = {
     "test_routing_e2e.py": "stock-fp32-server", "test_server_bridge_e2e.py": "stock-fp32-server",
+    "test_media_e2e.py": "stock-fp32-server",
     "test_mtp_e2e.py": "trained-servers", "test_logits_processing_e2e.py": "trained-servers",
     "test_reliability_e2e.py": "shared-bf16-server", "test_malformed_input_e2e.py": "shared-bf16-server",
     "test_fuzz_e2e.py": "shared-bf16-server", "test_cache_salt_e2e.py": "shared-bf16-server",
-    "test_hostile_input_e2e.py": "shared-bf16-server",
+    "test_hostile_input_e2e.py": "shared-bf16-server", "test_operator_messages_e2e.py": "shared-bf16-server",
 }
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/: step costs on CPU, the serving benchmark's arithmetic, and one --quick run of it."""
+"""benchmarks/: the serving benchmark's arithmetic and one --quick run of it, the agentic benchmark's workload, the
+realistic-shape MTP benchmark's logic."""
 
 from __future__ import annotations
 
@@ -11,35 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import matmul_scaling as MS  # noqa: E402
 import serve_bench as SB  # noqa: E402
-import step_costs as SC  # noqa: E402
-
-
-def test_step_costs_tiny_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "sc.json"
-    SC.main(["--preset", "tiny", "--batches", "1,2", "--context", "8", "--warmup", "1", "--iters", "2",
-             "--acceptance", "0.8,0.5", "--out", str(out)])
-    res = json.loads(out.read_text())
-    assert [r["batch"] for r in res["rows"]] == [1, 2]
-    for r in res["rows"]:
-        assert r["t1_ms"] > 0 and r["t2_ms"] > 0 and r["tm_ms"] > 0
-        assert r["projected_mtp_speedup"] == pytest.approx(1.8 * r["t1_ms"] / (r["t2_ms"] + r["tm_ms"]))
-        assert set(r["projected_by_acceptance"]) == {"0.8000", "0.5000"}
-
-
-def test_matmul_scaling_writes_every_shape(tmp_path: Path) -> None:
-    out = tmp_path / "mm.json"
-    MS.main(["--rows", "1,2", "--dtypes", "float32", "--iters", "2", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["shape"], r["rows"]) for r in rows] == [("tiny", 1), ("tiny", 2), ("qwen35-2b", 1), ("qwen35-2b", 2)]
-    assert all(r["us"] > 0 and r["gflops"] > 0 for r in rows) and rows[0]["vs_one_row"] == 1.0
-
-
-def test_projection_breakeven() -> None:
-    (row,) = SC.project([{"batch": 1, "t1_ms": 10.0, "t2_ms": 15.0, "tm_ms": 1.0}], [0.6])
-    assert row["projected_mtp_speedup"] == pytest.approx(1.0)
-    assert row["breakeven_acceptance"] == pytest.approx(0.6)
 
 
 def _result(path: str, tokens: int, ttft: float, total: float) -> SB.Result:
@@ -69,11 +42,18 @@ def test_find_acceptance_nested() -> None:
 def test_quick_run_end_to_end(tmp_path: Path, tiny_vlm_bf16: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The one-command benchmark against the real server, host and plugin, on the tiny random model it would build
     (the suite's bf16 build: the same sizes, seed and tokenizer, built once)."""
-    rc = SB.main(["--quick", "--model", str(tiny_vlm_bf16), "--out-dir", str(tmp_path), "--concurrency", "1,2",
+    (marked := tmp_path / "marked").mkdir()
+    for f in tiny_vlm_bf16.iterdir():  # the suite's model, with the marker the benchmarks' random builders write
+        (marked / f.name).symlink_to(f)
+    (marked / "RANDOM_WEIGHTS").write_text("random\n")
+    rc = SB.main(["--quick", "--model", str(marked), "--out-dir", str(tmp_path), "--concurrency", "1,2",
                   "--max-tokens", "8"])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    report = json.loads(last)
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "serve_bench_quick.json").read_text())
     assert rc == 0
+    # the terminal gets the table, the files' names and what a random model means
+    assert "| plugin | 2 |" in out and f"wrote {tmp_path / 'serve_bench_quick.json'}" in out
+    assert "random weights: acceptance 0 expected" in out
     assert [c["name"] for c in report["configs"]] == ["host", "plugin"]
     for cfg in report["configs"]:
         assert all(s["errors"] == 0 and s["completion_tokens"] > 0 for s in cfg["text"].values())
@@ -101,17 +81,6 @@ def test_agentic_bench_workload_and_summary() -> None:
     assert p["prefilled_vs_changed"] == [1.0]
     assert p["ttft_vs_host"] == 0.25 and p["ttft_vs_mlx_lm"] == 0.5
 
-
-def test_prefill_gdn_times_both_recurrences(tmp_path: Path) -> None:
-    import prefill_gdn as PG
-
-    out = tmp_path / "pg.json"
-    assert PG.main(["--tokens", "16", "--batches", "1,2", "--repeats", "1", "--chunk", "8", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["tokens"], r["batch"]) for r in rows] == [(16, 1), (16, 2)]
-    for r in rows:
-        assert r["loop_s"] > 0 and r["chunked_s"] > 0 and r["speedup"] == pytest.approx(r["loop_s"] / r["chunked_s"], rel=0.02)
-        assert r["last_logits_rel_diff"] < 0.1  # the same math: a chunking bug would be far off
 
 
 def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Where the gated-delta conv takes the CUDA kernel (causal_conv.py): only a depthwise, unpadded nn.Conv1d in eval,
 on a CUDA device, with an input in its dtype; everywhere else the module itself, bitwise. The kernel runs only on
-MLX's CUDA backend: its values against nn.Conv1d and its first-call costs were checked there (BENCHMARKS.md
-section 7)."""
+MLX's CUDA backend: its values against nn.Conv1d and its first-call costs were checked there (docs/design-notes.md,
+"Kernels")."""
 
 from __future__ import annotations
 

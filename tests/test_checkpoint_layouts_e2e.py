@@ -93,7 +93,7 @@ def test_served_head_drafts_and_output_equals_plain(work: Path, plain_outputs, l
         log = server.log()
     built = [ln for ln in log.splitlines() if "TextModel built zero-copy" in ln]
     assert len(built) == 1 and "MTP head" in built[0] and LAYOUT_SOURCE[layout] in built[0], built
-    assert status["routing"] == {"text": len(PROMPTS), "media": 0, "fallback": 0}
+    assert status["routing"] == {"enabled": True, "text": len(PROMPTS), "media": 0, "fallback": 0}
     mtp = status["mtp"]
     assert 0 < mtp["accepted"] < mtp["drafted"], mtp  # both the accept and the reject paths ran
     assert outs == plain_outputs[precision]

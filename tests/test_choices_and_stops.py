@@ -109,6 +109,13 @@ def test_max_completion_tokens_fills_max_tokens() -> None:
     assert request_body.fill_aliases(body) and body == {"stop": ["END"]}
 
 
+def test_a_null_stream_is_not_streamed() -> None:
+    body = {"input": "hi", "stream": None}  # what sglang-router 0.3.2 forwards for a Responses request
+    assert request_body.drop_null_stream(body) and body == {"input": "hi"}
+    for kept in ({"stream": False}, {"stream": True}, {}):
+        assert not request_body.drop_null_stream(dict(kept))
+
+
 def test_stop_cut_across_deltas() -> None:
     s = StopCut(["END", "xyz"])
     released = [s.feed(d, False) for d in ("abc E", "N", "D tail")]

@@ -36,6 +36,7 @@ def test_mtp_output_equals_plain_and_drafts_are_accepted(tmp_path: Path, shared_
         mtp = status["plugins"]["mtp-routing"]["mtp"]
         # the host's own status block tells the same story: MTP runs on the text path
         assert status["mtp"]["path"] == "text" and status["mtp"]["drafted"] == mtp["drafted"]
+        assert mtp["enabled"] is True and status["mtp"]["enabled"] is True  # every mtp block says whether MTP runs
     server = shared_server(TRAINED, *FLAGS, *MTP_ALWAYS)
     before = server.get("/v1/status").json()["plugins"]["mtp-routing"]["mtp"]
     always = greedy(server)

@@ -149,7 +149,7 @@ def test_chunks_shrink_with_the_position_within_the_limit() -> None:
     # where even a MIN_CHUNK chunk at the start is over the target, no chunk costs more than that one
     slow = _budget(chunk_tokens=MIN_CHUNK, chunk_fixed_s=0.03, per_token_s=0.004, attention_s=6.6e-7)
     assert slow.chunk_limit_s == pytest.approx(slow.chunk_s(MIN_CHUNK, 0))
-    assert slow.chunk_at(0) == MIN_CHUNK and 3 <= slow.chunk_at(15000) <= 5  # the CPU of BENCHMARKS section 7
+    assert slow.chunk_at(0) == MIN_CHUNK and 3 <= slow.chunk_at(15000) <= 5  # the CPU of the former BENCHMARKS.md section 7
     assert _budget(attention_s=0.0).chunk_at(10**6) == 256  # not measured: fixed chunks
     assert _budget(ratio=0.0).chunk_at(10**6) == 256
 

@@ -175,28 +175,6 @@ def test_a_tokenizer_that_cannot_be_copied_keeps_preparation_on_the_loop(caplog)
     assert "prepared on the event loop" in caplog.text and "cannot pickle" in caplog.text
 
 
-def test_prep_cost_benchmark_with_the_hosts_render(tmp_path, monkeypatch):
-    """benchmarks/prompt_prep_cost.py at a small size: the host's own render (vllm-mlx's _apply_chat_template on
-    the mlx-vlm processor) run on the worker gives the tokens and positions of the old on-the-loop method."""
-    import importlib.util
-    import json
-    import sys
-
-    out = tmp_path / "cost.json"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "prompt_prep_cost.py"
-    # Its main in this process (the worker has imported the host and mlx-vlm already: a fresh interpreter's ~2 s of
-    # imports is no part of what this checks); the script puts the repository and benchmarks/ on sys.path.
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    spec = importlib.util.spec_from_file_location("prompt_prep_cost", script)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(sys, "argv", [str(script), "--prompt-tokens", "1500", "--repeats", "1", "--out", str(out)])
-    bench.main()
-    cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 4 and all(c["prompt_tokens"] > 1400 and c["positions"] for c in cases.values())
-
-
 def test_a_prompt_far_past_the_context_is_refused_counting_only_the_context(tok):
     """A prompt of many times the context in characters is counted slice by slice, and refused once the count passes
     the context: the work is the context's worth of tokens, whatever the body's size. Counting agrees with the full

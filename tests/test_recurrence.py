@@ -3,7 +3,7 @@ FusedGatedDeltaNet) is mlx-lm's layer with only the recurrence swapped: on CPU, 
 recurrence stays mlx-lm's, it must give bitwise mlx-lm's outputs and cache states, with and
 without padding masks, per-row lengths and an empty cache. The fused kernel itself runs only on
 MLX's CUDA backend: its exactness properties (chunked = whole, batched = alone, capture = per
-position) are checked there by benchmarks/gpu_recurrence.py, results in BENCHMARKS.md."""
+position) are checked there by benchmarks/gpu/recurrence_check.py, results in docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -204,7 +204,7 @@ def test_a_fallback_keeps_stop_strings_and_says_why(server: Server) -> None:
     reason = "a host drafter was requested and the text path has no MTP head"
     assert after["fallback_reasons"][reason] - before["fallback_reasons"].get(reason, 0) == 3
     assert after["host_path_ignored"]["seed"] - before["host_path_ignored"].get("seed", 0) == 1
-    assert server.log().count("goes to the mlx-vlm path") == 1
+    assert server.log().count("goes to the host's mlx-vlm path") == 1
     wait_idle(server, within=2.0)
 
 

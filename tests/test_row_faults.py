@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
+from vllm_mlx_mtp_routing.routing.request_options import sampling_options
 from vllm_mlx_mtp_routing.routing.request_validation import fit_to_context, validate_logit_bias, validate_parameters
 from vllm_mlx_mtp_routing.text_engine.row_check import RowOptionsError, preflight
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
@@ -69,7 +70,7 @@ def test_preflight_refuses_unusable_options() -> None:
 
 @pytest.mark.parametrize("field,value", [
     ("seed", -1), ("seed", 2**64), ("seed", 1.5), ("seed", True), ("temperature", -1), ("temperature", float("nan")),
-    ("top_p", 0), ("top_p", 1.01), ("top_k", -1), ("min_p", 2), ("frequency_penalty", 2.5), ("presence_penalty", "x"),
+    ("top_p", 0), ("top_p", 1.01), ("top_k", -2), ("min_p", 2), ("frequency_penalty", 2.5), ("presence_penalty", "x"),
     ("repetition_penalty", -1), ("max_tokens", 0), ("stop", "ok" * 600), ("stop", [None]), ("stop_sequences", 5),
     ("top_logprobs", 21), ("top_logprobs", -1),
 ])
@@ -77,6 +78,12 @@ def test_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(RequestRejected) as info:
         validate_parameters({field: value})
     assert info.value.status_code == 400 and info.value.message.startswith(field)
+
+
+def test_top_k_minus_one_is_no_limit() -> None:
+    # vLLM's and SGLang's spelling (sglang-router writes it into every Responses request it forwards)
+    validate_parameters({"top_k": -1})
+    assert sampling_options({"top_k": -1}).top_k == 0
 
 
 @pytest.mark.parametrize("value,message", [

@@ -1,8 +1,8 @@
 """The few-row CUDA matmul (skinny_matmul.py) takes a text model's linear layers only on MLX's
 CUDA backend and only for 2-8 rows of 2-byte floats; everywhere else a ``SkinnyLinear`` is
 ``nn.Linear``. On CPU that means bitwise the same outputs and no class swapped. The kernel's own
-error and batch invariance are measured on a GPU by benchmarks/skinny_matmul_bench.py
-(BENCHMARKS.md section 11)."""
+error and batch invariance are measured on a GPU by benchmarks/gpu/skinny_matmul_bench.py
+(docs/benchmarks.md, "CUDA kernels")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A short soak through the real server (scripts/soak.py; the full run is 1000 requests, BENCHMARKS.md)."""
+"""A short soak through the real server (scripts/soak.py; the full run is 1000 requests, docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def test_a_long_prompt_beside_a_decoding_row_shows_in_the_slowest_steps_parts(ti
 
 def test_the_profile_keeps_a_window_and_reports_the_slowest_first():
     profile = StepProfile(window=3, top=2)
-    for step, (pause, between) in enumerate([(0.03, 0.0), (0.0, 0.0), (0.02, 0.0), (0.0, 0.05), (0.01, 0.0)]):
+    for step, (pause, between) in enumerate([(0.09, 0.0), (0.0, 0.0), (0.06, 0.0), (0.0, 0.15), (0.01, 0.0)]):  # apart under load too
         time.sleep(between)  # the event loop held between steps
         record = profile.begin(step)
         record.chunk(8, pause)
@@ -47,7 +47,7 @@ def test_the_profile_keeps_a_window_and_reports_the_slowest_first():
     # own work was nothing, but its stream waited for the loop
     slowest = profile.slowest()
     assert [s["step"] for s in slowest] == [3, 2]
-    assert slowest[0]["since_previous_s"] >= 0.05 > slowest[0]["total_s"]
+    assert slowest[0]["since_previous_s"] >= 0.15 > slowest[0]["total_s"]
 
 
 def test_waiting_for_work_after_the_last_stream_ended_is_nobodys_gap():

@@ -86,13 +86,18 @@ def test_plain_decode_warms_each_size_and_max_batch_caps_it(tiny, monkeypatch) -
 
     bundle, tok = tiny
     log: list[int] = []
-    decode_step = ModelRunner.decode
+    decode_step, ahead_step = ModelRunner.decode, ModelRunner.decode_ahead
 
     def recording_decode(self, plan):
         log.append(len(plan.rows))
         return decode_step(self, plan)
 
+    def recording_ahead(self, plan):
+        log.append(len(plan.rows))
+        return ahead_step(self, plan)
+
     monkeypatch.setattr(ModelRunner, "decode", recording_decode)
+    monkeypatch.setattr(ModelRunner, "decode_ahead", recording_ahead)
     engine = TextEngine(bundle.model, tok, max_num_seqs=4)
     shrunk, compact = [], RaggedKVCache._compact
 

@@ -20,7 +20,7 @@ shared lm_head predict tok[t+2]. The MTP loss is cross-entropy on tok[t+2] plus 
 cross-entropy towards the backbone's own (stop-gradient) distribution at t+1, which is what
 greedy acceptance measures.
 
-Reproduce the committed model (see BENCHMARKS.md for the exact steps and numbers):
+Reproduce the committed model (docs/development.md; its numbers: docs/benchmarks.md):
   python training/train_tiny_qwen35.py prepare --out /tmp/tq35 --tokenizer-from models/tiny-qwen35-trained
   python training/train_tiny_qwen35.py train --data /tmp/tq35 --out /tmp/tq35/run --steps 1113 --batch 64
   python training/train_tiny_qwen35.py assemble --data /tmp/tq35 --weights /tmp/tq35/run \

@@ -20,6 +20,7 @@ from . import admission
 from .config import PluginConfig, RoutingSettings, SpecPrefillConfig
 from .host import engine_access, logprobs_response, specprefill_flags, usage
 from .model.checkpoint_layouts import NO_MTP_HINT, MTPUnavailable
+from .model.media_forward import VisionParts
 from .model.text_model import TextModelBundle, TextModelUnavailable, build_text_model
 from .model.weights_fingerprint import fingerprint
 from .plugin_api.hookspecs import ModelInfo
@@ -67,6 +68,7 @@ def assemble(info: ModelInfo, host_engine: Any, settings: RoutingSettings, confi
     warm_prefixes: frozenset[str] = frozenset()
     if cache is not None and config.warm_prompts:
         warm_prefixes = engine_access.warm_prompt_prefixes(config.warm_prompts, tokenizer)
+    vision, media_off = vision_parts(info)
     engine = TextEngine(
         bundle.model,
         tokenizer,
@@ -76,6 +78,7 @@ def assemble(info: ModelInfo, host_engine: Any, settings: RoutingSettings, confi
         decode=mtp if isinstance(mtp, MTPDecode) else None,
         prefix_cache=cache,
         specprefill=specprefill(config.specprefill, host_engine, tokenizer) if config.specprefill is not None else None,
+        vision=vision,
     )
     budget.apply(engine.scheduler)
     warm_up(engine, config.text_warmup)
@@ -85,7 +88,8 @@ def assemble(info: ModelInfo, host_engine: Any, settings: RoutingSettings, confi
         cache_bytes=(lambda: cache.nbytes) if cache is not None else None,  # the cache's bytes are used memory
     )
     logprobs_response.install()
-    text = TextPath(engine, budget, mtp, PromptPreparer.create(tokenizer), warm_prefixes, vocab)
+    prompts = PromptPreparer.create(tokenizer, engine_access.processor(host_engine) if vision is not None else None)
+    text = TextPath(engine, budget, mtp, prompts, warm_prefixes, vocab, vision, media_off)
     return ServingParts(tokenizer, context, media_tokens, controller, text=text, strict_max_tokens=config.strict_max_tokens)
 
 
@@ -101,6 +105,18 @@ def eos_token_ids(model_path: Path, config: dict[str, Any], tokenizer: Any) -> l
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def vision_parts(info: ModelInfo) -> tuple[VisionParts | None, str | None]:
+    """The VLM's parts that media rows need, or why media requests stay on the host's path."""
+    vlm = info.model
+    if getattr(vlm, "vision_tower", None) is None or not callable(getattr(getattr(vlm, "language_model", None), "get_rope_index", None)):
+        return None, "the model has no vision tower with M-RoPE positions"
+    vision = VisionParts(vlm, info.config)
+    if vision.image_token_id < 0:
+        return None, "the model's config names no image token"
+    logger.info("Media requests (images) are served as rows of the text batch: vision tower and M-RoPE from the VLM")
+    return vision, None
 
 
 def context_tokens(config: dict[str, Any]) -> int | None:

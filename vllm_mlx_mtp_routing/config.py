@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from . import admission
-from .flag_types import count_or_all, int_at_least, non_negative
-from .host import engine_access, specprefill_flags
+from .flag_types import count_or_all, int_at_least, non_negative, seconds
+from .host import drain, engine_access, specprefill_flags
 from .prefix_cache import settings as prefix_settings
 from .specprefill.settings import SpecPrefillSettings
 from .text_engine import calibration_file, warmup
@@ -44,6 +44,7 @@ class PluginConfig:
     warm_prompts: str | None = None  # --warm-prompts: the host's file of prompts sent at start
     specprefill: SpecPrefillConfig | None = None  # with --specprefill on the text path
     strict_max_tokens: bool = False  # --strict-max-tokens
+    drain_timeout: float = drain.DEFAULT_TIMEOUT_S  # --drain-timeout (inf: no limit)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PluginConfig:
@@ -65,6 +66,7 @@ class PluginConfig:
             warm_prompts=getattr(args, "warm_prompts", None),
             specprefill=SpecPrefillConfig(*specprefill) if specprefill is not None else None,
             strict_max_tokens=bool(getattr(args, "strict_max_tokens", False)),
+            drain_timeout=float(getattr(args, "drain_timeout", drain.DEFAULT_TIMEOUT_S)),
         )
 
 
@@ -99,8 +101,9 @@ def add_arguments(group: Any) -> None:
         "--mtp-schedule",
         choices=("adaptive", "always"),
         default="adaptive",
-        help="Text-path MTP with --enable-mtp: 'adaptive' (default) drafts per step only where measured "
-        "throughput says it pays and pauses rows with low acceptance; 'always' drafts every step for every row.",
+        help="Text-path MTP with --enable-mtp: 'adaptive' (default) drafts a step where the rows' recent acceptance "
+        "pays for a drafting step's cost, measured per batch size against a plain step; 'always' drafts every step "
+        "for every row.",
     )
     group.add_argument(
         "--mtp-max-batch-size",
@@ -156,5 +159,15 @@ def add_arguments(group: Any) -> None:
         help="Refuse (400) a request whose explicit max_tokens does not fit the model's context after its prompt, as "
         "vLLM does. Default: cut it to what the context leaves (the response ends with finish_reason 'length'), as "
         "vllm-mlx and mlx-lm's server do. A prompt alone over the context is a 400 either way.",
+    )
+    group.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=drain.DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="On SIGTERM or Ctrl-C the server stops listening and lets running requests finish for at most SECONDS "
+        f"(default {drain.DEFAULT_TIMEOUT_S:g}; 'inf': no limit, as the host alone); then each one still running is ended "
+        "with a retryable 503 (a status, or an error event in a stream that started) instead of a reset. A second signal "
+        "ends them at once. Set it below your supervisor's kill timeout. /health answers 503 while draining.",
     )
     admission.add_arguments(group)

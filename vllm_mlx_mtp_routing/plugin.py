@@ -16,10 +16,10 @@ from typing import Any
 from . import __version__, config, gc_pauses
 from .assembly import assemble
 from .config import PluginConfig, RoutingSettings
-from .host import engine_access
+from .host import drain, engine_access
 from .plugin_api.engine_decorator import find_decorator
 from .plugin_api.hookspecs import EngineContext, GenerationRequest, ModelInfo, hookimpl
-from .routing import RoutingEngine, request_options
+from .routing import RoutingEngine, request_options, routing_off
 
 logger = logging.getLogger("vllm_mlx_mtp_routing")
 
@@ -28,6 +28,7 @@ class MTPRoutingPlugin:
     def __init__(self) -> None:
         self.config = PluginConfig()  # the flags, once they are validated
         self.router: RoutingEngine | None = None  # the engine this plugin routes for; requests are checked for it
+        self.off: routing_off.RoutingOff | None = None  # why an engine was left unwrapped
 
     @hookimpl
     def vllm_mlx_add_cli_args(self, group: Any) -> None:
@@ -36,18 +37,22 @@ class MTPRoutingPlugin:
     @hookimpl
     def vllm_mlx_validate_args(self, args: argparse.Namespace) -> None:
         self.config = PluginConfig.from_args(args)
+        drain.DRAIN.configure(None if self.config.drain_timeout == float("inf") else self.config.drain_timeout)
 
     @hookimpl
     def vllm_mlx_wrap_engine(self, engine: Any, context: EngineContext) -> Any:
         args = context.args
+        off = None
         if args is not None and getattr(args, "mtp_routing_disable", False):
-            logger.info("mtp-routing: routing disabled by --mtp-routing-disable")
-            return None
-        if context.kind != "batched":
-            logger.info("mtp-routing: routing needs --continuous-batching; the engine is left as the host built it")
-            return None
-        if not getattr(engine, "is_mllm", False):
-            logger.info("mtp-routing: %s is not served as a VLM (--mllm); nothing to route", getattr(engine, "model_name", "model"))
+            off = routing_off.by_flag()
+        elif context.kind != "batched":
+            off = routing_off.no_continuous_batching()
+        elif not getattr(engine, "is_mllm", False):
+            off = routing_off.not_a_vlm(str(getattr(engine, "model_name", None) or "the model"))
+        if off is not None:
+            if self.off is None:  # once, whatever number of engines the host builds
+                off.log()
+            self.off = off
             return None
         drafter_path, _ = engine_access.host_mtp_drafter(engine)
         if drafter_path is not None:
@@ -57,6 +62,7 @@ class MTPRoutingPlugin:
 
     @hookimpl
     def vllm_mlx_model_loaded(self, engine: Any, info: ModelInfo) -> Awaitable[None] | None:
+        drain.DRAIN.arm()  # the server's stop signals are installed by now (the lifespan's start)
         router: RoutingEngine | None = find_decorator(engine, RoutingEngine)
         if router is None:
             return None
@@ -80,7 +86,7 @@ class MTPRoutingPlugin:
         if router is not None:
             stats.update(router.routing_stats())
         else:
-            stats["routing"] = None
+            stats["routing"] = (self.off or routing_off.RoutingOff("the engine is not routed", None)).status()
         return stats
 
 

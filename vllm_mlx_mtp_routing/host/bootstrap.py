@@ -24,6 +24,7 @@ class _CliLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        _quiet_if_requested()  # the host's CLI imports transformers, which warns at import
         self._loader.exec_module(module)
         try:
             from . import bridge
@@ -69,6 +70,18 @@ def uninstall() -> None:
 def plugins_requested(argv: list[str], environ: Any) -> bool:
     """A ``serve`` that names plugins (flag or environment): it must not start without them."""
     return "serve" in argv and (bool(environ.get("VLLM_MLX_PLUGINS", "").strip()) or any(a.startswith("--plugins") for a in argv))
+
+
+def _quiet_if_requested() -> None:
+    import os
+
+    if plugins_requested(sys.argv, os.environ):
+        try:
+            from . import quiet_startup
+
+            quiet_startup.install()
+        except Exception:  # a quieter log is not worth a failed start
+            pass
 
 
 def _report_if_requested(exc: BaseException) -> None:

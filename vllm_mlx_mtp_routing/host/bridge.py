@@ -162,6 +162,12 @@ def _prepare_serve(state: BridgeState, args: argparse.Namespace) -> None:
         state.pm.hook.vllm_mlx_validate_args(args=args)
     except FlagError as exc:
         state.serve_parser.error(str(exc))
+    from . import model_path
+
+    # one line, not the host's three download attempts and a traceback
+    why = model_path.problem(getattr(args, "model", None), os.environ, offline_flag=bool(getattr(args, "offline", False)))
+    if why is not None:
+        state.serve_parser.exit(2, f"{state.serve_parser.prog}: error: argument model: {why}\n")
     from . import server_hooks
 
     server_hooks.install(state)

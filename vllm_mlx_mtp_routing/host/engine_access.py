@@ -13,9 +13,9 @@ from vllm_mlx.engine.base import GenerationOutput
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
 __all__ = [
-    "GenerationOutput", "attach_logit_bias", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "render_chat_prompt", "scheduler_setting",
-    "specprefill_outcome",
-    "tokens_per_media_item",
+    "GenerationOutput", "attach_logit_bias", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "load_image",
+    "media_references", "processor", "processor_inputs", "render_chat_prompt", "render_media_chat_prompt",
+    "scheduler_setting", "specprefill_outcome", "tokens_per_media_item",
 ]
 
 
@@ -75,6 +75,49 @@ def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dic
         chat_template_kwargs=dict(options.get("chat_template_kwargs") or {}),
         enable_thinking=options.get("enable_thinking"),
     )
+
+
+def render_media_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any], images: int) -> str:
+    """The prompt the host renders for a chat with images (its ``_apply_chat_template`` turns each ``image_url`` part
+    into the processor's image placeholder)."""
+    tools = options.get("tools")
+    return engine._apply_chat_template(
+        messages,
+        convert_tools_for_template(tools) if tools else None,
+        num_images=images,
+        num_audios=0,
+        chat_template_kwargs=dict(options.get("chat_template_kwargs") or {}),
+        enable_thinking=options.get("enable_thinking"),
+    )
+
+
+def media_references(messages: list[dict[str, Any]]) -> tuple[list[Any], list[Any], list[Any]]:
+    """(images, videos, audios) of a chat as the host extracts them (``api.utils.extract_multimodal_content``)."""
+    from vllm_mlx.api.utils import extract_multimodal_content
+
+    _, images, videos, audios = extract_multimodal_content(messages)
+    return list(images), list(videos), list(audios)
+
+
+def load_image(reference: Any) -> str:
+    """A local file of one image reference (a data: URL or an http(s) URL), fetched as the host fetches it
+    (``models.mllm.process_image_input``); ValueError for what it refuses."""
+    from vllm_mlx.models.mllm import process_image_input
+
+    return str(process_image_input(reference))
+
+
+def processor(engine: Any) -> Any:
+    """The host's mlx-vlm processor (BatchedEngine ``_processor``); None before the model loads."""
+    return getattr(engine, "_processor", None)
+
+
+def processor_inputs(processor: Any, images: list[str], prompt: str, image_token_id: int) -> dict[str, Any]:
+    """The processor's inputs for a prompt and its images (mlx-vlm ``prepare_inputs``, as the host's media path calls
+    it): ``input_ids``, ``pixel_values``, ``image_grid_thw``."""
+    from mlx_vlm.utils import prepare_inputs
+
+    return dict(prepare_inputs(processor, images=images, prompts=prompt, image_token_index=image_token_id))
 
 
 # A media item is projected at the processor's own bound, capped: an uncapped Qwen bound (16M pixels,

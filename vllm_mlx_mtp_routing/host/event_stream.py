@@ -74,12 +74,19 @@ class EventStream:
                            idle, timeout)
         else:  # the client hung up (nobody reads this), or the host's stream stopped short
             status, kind, message = 500, "api_error", "the stream ended before the response completed"
-        if self.anthropic:
-            error = {"type": "error", "error": {"type": kind, "message": message}}
-            stop = {"type": "message_stop"}
-            return f"event: error\ndata: {json.dumps(error)}\n\nevent: message_stop\ndata: {json.dumps(stop)}\n\n".encode()
-        if self.responses:
-            event = {"type": "error", "code": kind, "message": message, "param": None}
-            return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
-        frame = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-        return f"data: {json.dumps(frame)}\n\ndata: [DONE]\n\n".encode()
+        return error_and_terminal(self.anthropic, self.responses, status, kind, message)
+
+
+def error_and_terminal(anthropic: bool, responses: bool, status: int, kind: str, message: str) -> bytes:
+    """An error event and the stream's terminal frame, in the stream's protocol (as vllm-mlx 0.6.0 writes an error
+    raised inside a stream): OpenAI ``data: {"error": ...}`` then ``[DONE]``, Anthropic ``event: error`` then
+    ``message_stop``, Responses ``event: error``."""
+    if anthropic:
+        error = {"type": "error", "error": {"type": kind, "message": message}}
+        stop = {"type": "message_stop"}
+        return f"event: error\ndata: {json.dumps(error)}\n\nevent: message_stop\ndata: {json.dumps(stop)}\n\n".encode()
+    if responses:
+        event = {"type": "error", "code": kind, "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    frame = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return f"data: {json.dumps(frame)}\n\ndata: [DONE]\n\n".encode()

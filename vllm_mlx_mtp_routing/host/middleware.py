@@ -3,7 +3,8 @@
 A generation request's body is read before the host's handler runs (request_body.py) and checked
 (body_checks.py): a body the handler would trip over is a 400 naming the field, after the host's own
 access checks (access.py). Its JSON is kept on the context for the hooks, and a request for n > 1 choices
-is served as n copies, each with its own context (choices.py).
+is served as n copies, each with its own context (choices.py). Each one is served as a task the drain
+(drain.py) can end when the server stops; while it drains, ``/health`` and new requests get a 503.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 from typing import Any
 
 from ..plugin_api.errors import RequestRejected
-from . import access, body_checks, choices, request_body
+from . import access, body_checks, choices, drain, request_body
 from .asgi import CURRENT, HoldingSend, RequestContext, Scope, Send, end_request, send_json, send_rejection, with_body_length
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
@@ -27,6 +28,8 @@ class PluginRequestMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if drain.DRAIN.draining and await _refused_while_draining(scope, send):
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         ctx = RequestContext(headers=headers, path=str(scope.get("path", "")))
@@ -58,14 +61,30 @@ class PluginRequestMiddleware:
         except RequestRejected as exc:
             await _refuse(scope, send, exc)
             return
-        if body is not None and (body_checks.drop_nulls(path, body) or path in GENERATION_PATHS and request_body.fill_aliases(body)):
+        changed = body is not None and (request_body.drop_null_stream(body) | body_checks.drop_nulls(path, body))
+        if body is not None and path in GENERATION_PATHS and request_body.fill_aliases(body):
+            changed = True
+        if changed:
             raw = json.dumps(body).encode()
             scope = with_body_length(scope, len(raw))
         ctx.body = body or {}
+        tracked = drain.Tracked(send, path)
         if n > 1:
-            await choices.fan_out(self.app, scope, ctx.body, n, ctx, receive, send)
+            await drain.DRAIN.run(tracked, choices.fan_out(self.app, scope, ctx.body, n, ctx, receive, tracked))
             return
-        await self.app(scope, request_body.replay(raw, receive), HoldingSend(send, ctx))
+        await drain.DRAIN.run(tracked, self.app(scope, request_body.replay(raw, receive), HoldingSend(tracked, ctx)))
+
+
+async def _refused_while_draining(scope: Scope, send: Send) -> bool:
+    """While the server drains, ``/health`` is unready and a new generation request is refused (503, retryable)."""
+    path, method = scope.get("path"), scope.get("method")
+    if path == "/health":
+        await drain.unready(send, drain.DRAIN.running)
+        return True
+    if method == "POST" and path in CHECKED_PATHS:
+        await drain.refuse(send)
+        return True
+    return False
 
 
 async def _refuse(scope: Scope, send: Send, exc: RequestRejected) -> None:

@@ -100,6 +100,15 @@ def fill_aliases(body: dict[str, Any]) -> bool:
     return True
 
 
+def drop_null_stream(body: dict[str, Any]) -> bool:
+    """``"stream": null`` is the default, not streamed (the host's models refuse a null there: 422). sglang-router 0.3.2
+    writes it into every Responses request that did not ask for a stream. True when the body changed."""
+    if "stream" in body and body["stream"] is None:
+        del body["stream"]
+        return True
+    return False
+
+
 def replay(raw: bytes, receive: Any) -> Any:
     """A receive that gives ``raw`` as the body once, then the client's own messages (disconnects)."""
     sent = False

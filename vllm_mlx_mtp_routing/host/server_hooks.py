@@ -17,7 +17,7 @@ from typing import Any
 
 from ..plugin_api.errors import RequestRejected
 from ..plugin_api.hookspecs import EngineContext
-from . import asgi, responses_input
+from . import asgi, replica_info, responses_input
 from .bridge_state import BridgeState
 from .hooked_engine import HookedEngine
 from .middleware import PluginRequestMiddleware
@@ -90,6 +90,7 @@ def install(state: BridgeState) -> None:
     logging.getLogger("vllm_mlx.server").addFilter(asgi.RefusalLogFilter())
     _replace_status_route(state, server)
     _register_plugin_routes(state, server)
+    replica_info.install(server)
 
 
 async def _rejected_handler(request: Any, exc: Exception) -> Any:

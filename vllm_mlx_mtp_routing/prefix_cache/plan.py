@@ -29,7 +29,7 @@ class SnapshotPlan:
     def start(cls, cache: PrefixCache | None, seq: Row) -> SnapshotPlan:
         """Look the prompt up among its cache salt's entries; a hit becomes the row's ``PrefillState`` (the text
         engine's insert API, validated as ``BatchScheduler.add(restored=...)`` does)."""
-        prompt_ids = seq.req.prompt_ids
+        prompt_ids = seq.req.cache_ids
         to_prefill = len(prompt_ids) - 1
         # A state restored by someone else (a sparse prefill) is left alone.
         if cache is None or to_prefill <= 0 or seq.prefilled or (seq.prefill is not None and seq.prefill.position):
@@ -69,23 +69,25 @@ class SnapshotPlan:
             return
         assert seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
         try:
-            self.cache.save(seq.req.prompt_ids, kind, seq.prefill, seq.req.cache_salt)
+            self.cache.save(seq.req.cache_ids, kind, seq.prefill, seq.req.cache_salt)
         except Exception:  # a snapshot is an optimisation: the request goes on without it
             logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
 
     @staticmethod
     def after_generation(cache: PrefixCache, seq: Row, batch: BatchCache, i: int) -> None:
-        """Keep a finished row's state (prompt + generated tokens but the last): the next turn of a
-        conversation renders this reply into its prompt. Backbone only: with MTP, a hit on it
-        restores no head state and the head skips those positions (only acceptance can suffer)."""
+        """Keep a finished row's state (prompt + generated tokens but the last; all of them when a step launched ahead
+        already fed the last one): the next turn of a conversation renders this reply into its prompt. Backbone only:
+        with MTP, a hit on it restores no head state and the head skips those positions (only acceptance can suffer)."""
         held = batch.lengths()[i]
-        tokens = [*seq.req.prompt_ids, *seq.token_ids]
-        if held != len(tokens) - 1 or held <= len(seq.req.prompt_ids) - 1:
+        tokens = [*seq.req.cache_ids, *seq.token_ids]
+        if held > len(tokens) or held <= len(seq.req.prompt_ids) - 1:
             return
         # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
         whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)
         try:
-            state = PrefillState(backbone=from_batch_row(batch.layers, i), prefilled=held)
+            # A media row's M-RoPE delta is its request's: the next turn's row takes it from its own images again.
+            shift = seq.req.media.rope_delta if seq.req.media is not None else 0
+            state = PrefillState(backbone=from_batch_row(batch.layers, i, shift), prefilled=held)
             cache.save(tokens, "system" if whole else "generation", state, seq.req.cache_salt)
         except Exception:
             logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)

@@ -167,12 +167,13 @@ def restore(chain: list[Snapshot], fresh: list[Any], with_head: bool) -> Prefill
     return state
 
 
-def from_batch_row(layers: list[Any], i: int) -> list[Any]:
-    """Row i of a decode batch's caches (``BatchCache.layers``) as single-sequence caches (copies)."""
+def from_batch_row(layers: list[Any], i: int, shift: int = 0) -> list[Any]:
+    """Row i of a decode batch's caches (``BatchCache.layers``) as single-sequence caches (copies); ``shift``: its
+    position shift, re-applied when restored (a media row's M-RoPE delta)."""
     out: list[Any] = []
     for c in layers:
         if isinstance(c, RaggedKVCache):
-            out.append(c.extract(i))
+            out.append(c.extract(i, shift))
         else:
             a = ArraysCache(size=len(c.cache))
             a.cache = [_own(x[i : i + 1]) for x in c.cache]  # type: ignore[misc]  # mlx-lm infers list[None]

@@ -1,5 +1,6 @@
-"""Per-request routing around the host's BatchedEngine: text-only requests to the TextModel's
-continuous batch, anything with an image, video or audio part to the host's mlx-vlm path, intact.
+"""Per-request routing around the host's BatchedEngine: text requests and chats with images to the TextModel's
+continuous batch (an image request is a row of the same batch, its images through the VLM's vision tower), what the
+text engine cannot serve (video, audio, media arguments, another model family) to the host's mlx-vlm path, intact.
 
 Both paths step on the event-loop thread, where the host's MLLM scheduler already steps: MLX work
 never runs on two threads at once. Fairness: each scheduler runs one step, then yields the loop, so
@@ -21,14 +22,17 @@ from typing import Any
 from ..admission import AdmissionController, Ticket
 from ..config import RoutingSettings
 from ..host import asgi, engine_access as host, logprobs_response as host_logprobs, output_text as host_output, usage as host_usage
+from ..host.status_fields import TextTotals, count_text_path
 from ..plugin_api.engine_decorator import EngineDecorator
 from ..plugin_api.errors import RequestRejected
 from ..specprefill.settings import RequestChoice
 from ..text_engine.engine import TextEngine
 from ..text_engine.row_check import preflight
-from ..text_engine.state import TextOutput
+from ..text_engine.state import MediaInput, TextOutput
+from . import routing_off
 from .fallbacks import FallbackReasons
-from .media import has_media, media_items
+from .media import MEDIA_OPTIONS, has_media, media_items
+from .media_prompt import MediaPrompt, prepare_media_chat
 from .normalize import normalize_messages
 from .outputs import host_call, host_stream, no_draft_outcome, to_generation_output
 from .parts import ServingParts, TextPath
@@ -74,13 +78,14 @@ class RoutingEngine(EngineDecorator):
     })
 
     # The decorator's own attributes (EngineDecorator: every other write goes to the host's engine).
-    _own_attrs = frozenset({"wrapped", "settings", "routes", "fallbacks", "disabled_reason", "_parts", "_text"})
+    _own_attrs = frozenset({"wrapped", "settings", "routes", "fallbacks", "disabled_reason", "totals", "_parts", "_text"})
 
     def __init__(self, wrapped: Any, settings: RoutingSettings) -> None:
         super().__init__(wrapped)
         self.settings = settings
         self.routes: Counter[str] = Counter(text=0, media=0, fallback=0)
         self.fallbacks = FallbackReasons()
+        self.totals = TextTotals()  # finished text requests: the host's own counters see only its path
         self.disabled_reason: str | None = "model not loaded yet"
         self._parts: ServingParts | None = None  # attached once the model is loaded
         self._text: TextPath | None = None  # the text path, once its engine runs
@@ -100,7 +105,7 @@ class RoutingEngine(EngineDecorator):
         self._parts = parts
         if parts.text is None:
             self.disabled_reason = parts.text_unavailable
-            logger.warning("Text routing disabled, every request goes to the MLLM path: %s", parts.text_unavailable)
+            routing_off.no_text_path(str(parts.text_unavailable)).log()
 
     async def start_text_path(self) -> None:
         text = self._attached().text
@@ -177,6 +182,9 @@ class RoutingEngine(EngineDecorator):
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + text["waiting"]
         if self.admission is not None:
             stats["num_waiting"] = int(stats.get("num_waiting") or 0) + self.admission.queued
+        if self._text is not None:
+            engine = self._text.engine
+            count_text_path(stats, self.totals, engine.scheduler.steps, engine.prefix_cache)
         built = self._built_text
         if self.settings.enable_mtp or (built is not None and built.drafts):
             # The host's own /v1/status `mtp` block: MTP runs on the text path, never on the mlx-vlm path here.
@@ -203,7 +211,8 @@ class RoutingEngine(EngineDecorator):
         return bool(self.wrapped.is_healthy()) and text_ok
 
     def routing_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"routing": dict(self.routes), "text_path": self.disabled_reason is None}
+        on = {"enabled": True} if self.disabled_reason is None else routing_off.no_text_path(self.disabled_reason).status()
+        stats: dict[str, Any] = {"routing": {**on, **self.routes}, "text_path": self.disabled_reason is None}
         stats["fallback_reasons"] = self.fallbacks.counts()
         stats["host_path_ignored"] = self.fallbacks.ignored_counts()
         if self.disabled_reason is not None:
@@ -240,9 +249,9 @@ class RoutingEngine(EngineDecorator):
             finally:
                 if ticket is not None:
                     ticket.release()
-        ids, marks = await self._prompt(text, call)
+        ids, marks, media = await self._prompt(text, call)
         last: TextOutput | None = None
-        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks):
+        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks, media):
             last = out
         assert last is not None
         return to_generation_output(last, streaming=False)
@@ -260,8 +269,8 @@ class RoutingEngine(EngineDecorator):
                 if ticket is not None:
                     ticket.release()
             return
-        ids, marks = await self._prompt(text, call)
-        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks):
+        ids, marks, media = await self._prompt(text, call)
+        async for out in self._text_stream(text, ids, call.text_options, call.priority, marks, media):
             yield to_generation_output(out, streaming=True)
 
     def _host_result(self, call: _Call) -> Any:
@@ -275,25 +284,28 @@ class RoutingEngine(EngineDecorator):
         return self.wrapped.stream_generate(prompt=call.prompt, **call.options)
 
     def _route(self, call: _Call) -> TextPath | None:
-        """The text path that serves this call, or None: the host's path (media, or a fallback)."""
+        """The text path that serves this call (text, or media as rows of the text batch), or None: the host's path
+        (a fallback, with its reason)."""
         reason = None
         text = self._text
-        if has_media(call.messages, call.options):
-            route = "media"
-        elif text is None:
-            route, reason = "fallback", f"text path off: {self.disabled_reason}"
+        media = has_media(call.messages, call.options)
+        if text is None:
+            route, reason = "fallback", f"{'media' if media else 'text'} path off: {self.disabled_reason}"
+        elif media and (why := _media_gap(text, call)) is not None:
+            route, reason = "fallback", f"media: {why}"
         elif (reason := text_path_gap(call.options, text_mtp=text.drafts)) is not None:
             route = "fallback"
         else:
-            route = "text"
+            route = "media" if media else "text"
         sibling = getattr(asgi.current(), "sibling", None)
         if sibling is None or sibling.index == 0:  # the n copies of one request count once
+            _log_route(route, reason, call)
             self.routes[route] += 1
             if reason is not None:
                 self.fallbacks.note(reason)
-            if route != "text" and call.plugin.get("seed") is not None and float(call.options.get("temperature") or 0.0) > 0:
+            if route == "fallback" and call.plugin.get("seed") is not None and float(call.options.get("temperature") or 0.0) > 0:
                 self.fallbacks.ignored("seed")
-        return text if route == "text" else None
+        return text if route != "fallback" else None
 
     def _render(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
         try:
@@ -301,8 +313,33 @@ class RoutingEngine(EngineDecorator):
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
 
-    async def _prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks]:
-        """The prompt's tokens and, with a prefix cache, where it is worth a snapshot (off the event loop)."""
+    def _render_media(self, messages: list[dict[str, Any]], options: dict[str, Any], images: int) -> str:
+        try:
+            return host.render_media_chat_prompt(self.wrapped, messages, options, images)
+        except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
+            raise RequestRejected(400, f"chat template error: {exc}") from exc
+
+    async def _media_prompt(self, text: TextPath, call: _Call) -> MediaPrompt:
+        """A chat with images: its tokens (each image expanded) and its images, prepared off the event loop."""
+        vision = text.vision
+        assert vision is not None  # _route sends media here only with the vision parts
+        render = lambda m, n: self._render_media(m, call.options, n)  # noqa: E731
+        kwargs: dict[str, Any] = {
+            "image_token_id": vision.image_token_id, "merge": vision.merge, "positions": text.engine.prefix_cache is not None,
+        }
+        if text.prompts is None:
+            return prepare_media_chat(host.processor(self.wrapped), render, call.messages or [], **kwargs)
+        return await text.prompts.media(prepare_media_chat, render, call.messages or [], **kwargs)
+
+    async def _prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks, MediaInput | None]:
+        """The prompt's tokens, where it is worth a snapshot (with a prefix cache) and its images (off the event loop)."""
+        if has_media(call.messages, call.options):
+            prepared = await self._media_prompt(text, call)
+            return prepared.ids, prepared.marks, prepared.media
+        ids, marks = await self._text_prompt(text, call)
+        return ids, marks, None
+
+    async def _text_prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks]:
         tokenizer, context = self._attached().tokenizer, self._attached().context_tokens
         if not call.chat:
             prompt = call.prompt or ""
@@ -363,7 +400,8 @@ class RoutingEngine(EngineDecorator):
         return text_tokens + media_items(call.messages, call.options) * parts.tokens_per_media_item
 
     async def _text_stream(
-        self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks
+        self, text: TextPath, prompt_ids: list[int], options: dict[str, Any], priority: int, snapshot_at: Marks,
+        media: MediaInput | None = None,
     ) -> AsyncIterator[TextOutput]:
         if not prompt_ids:  # an empty completion prompt: nothing to continue from
             raise RequestRejected(400, "prompt must not be empty")
@@ -378,7 +416,9 @@ class RoutingEngine(EngineDecorator):
         engine = text.engine
         if sparse.enabled and engine.specprefill is None:
             logger.info("SpecPrefill requested, but the server runs without --specprefill --specprefill-draft-model: dense prefill")
-        ticket = await self._admit("text", len(prompt_ids), options, priority)
+        # A media row's vision tower works over its images' tokens on top of the prompt: counted as prompt tokens again.
+        vision_tokens = sum(end - start for start, end in media.spans) if media is not None else 0
+        ticket = await self._admit("text" if media is None else "media", len(prompt_ids) + vision_tokens, options, priority)
         request_id: str | None = None
         finished = False
         rid = f"text-{uuid.uuid4().hex[:12]}"
@@ -396,9 +436,12 @@ class RoutingEngine(EngineDecorator):
                 share=sibling.share if sibling is not None else None,  # OpenAI n: the rows prefill once
                 specprefill=sparse,
                 cache_salt=options.get("cache_salt"),
+                media=media,
             )
             async for out in engine.stream(request_id):
                 finished = out.finished
+                if finished:
+                    self.totals.finished(out.prompt_tokens, out.completion_tokens)
                 if sparse.enabled and out.specprefill is None:  # asked for, but the server has no draft
                     out.specprefill = no_draft_outcome(len(prompt_ids))
                 host_usage.record(cached_tokens=out.cached_tokens, finish_reason=out.finish_reason)
@@ -410,6 +453,32 @@ class RoutingEngine(EngineDecorator):
                 engine.abort_now(request_id)
             if ticket is not None:
                 ticket.release()
+
+
+def _media_gap(text: TextPath, call: _Call) -> str | None:
+    """Why the text engine cannot serve this media call (None: it can)."""
+    if text.vision is None:
+        return text.media_unavailable or "no vision tower"
+    if not call.chat or any(call.options.get(k) for k in MEDIA_OPTIONS):
+        return "media passed as arguments, not as message parts"
+    images, videos, audios = host.media_references(call.messages or [])
+    if audios:
+        return "audio"
+    if videos:
+        return "video"
+    if not images:  # a media part the host's extraction does not read: its path, as without the plugin
+        return "a media part the host does not read"
+    return None
+
+
+def _log_route(route: str, reason: str | None, call: _Call) -> None:
+    """One line per request at the host's request-log level (its ``[REQUEST]`` lines are INFO)."""
+    if route == "text":
+        logger.info("[ROUTE] text path")
+    elif route == "media":
+        logger.info("[ROUTE] text path, media rows: %d image(s)", media_items(call.messages, call.options))
+    else:
+        logger.info("[ROUTE] mlx-vlm path (fallback): %s", reason)
 
 
 def _explicit_max_tokens(ctx: asgi.RequestContext | None) -> bool:

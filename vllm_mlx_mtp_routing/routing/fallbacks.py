@@ -17,7 +17,7 @@ class FallbackReasons:
     def note(self, reason: str) -> None:
         if reason not in self._counts:
             logger.warning(
-                "A text request goes to the mlx-vlm path (no MTP, no exact batching; stop strings are applied by "
+                "A request goes to the host's mlx-vlm path (no MTP, no exact batching; stop strings are applied by "
                 "the plugin, per-request seeds cannot be): %s. Counted in /v1/status routing.fallback and "
                 "fallback_reasons; logged once per reason", reason,
             )

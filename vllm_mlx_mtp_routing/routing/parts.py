@@ -8,6 +8,7 @@ from typing import Any
 
 from ..admission import AdmissionController
 from ..model.checkpoint_layouts import MTPUnavailable
+from ..model.media_forward import VisionParts
 from ..text_engine.engine import TextEngine
 from ..text_engine.prefill_budget import PrefillBudget
 from ..text_engine.spec.mtp import MTPDecode
@@ -24,6 +25,8 @@ class TextPath:
     prompts: PromptPreparer | None  # None: prompts prepared on the event loop
     warm_prefixes: frozenset[str]  # --warm-prompts prefixes: their snapshots are system prefixes
     vocab_size: int
+    vision: VisionParts | None = None  # media rows' vision tower and positions; None: media go to the host's path
+    media_unavailable: str | None = None  # why media requests go to the host's path
 
     @property
     def drafts(self) -> bool:

@@ -84,15 +84,17 @@ def prepare_raw(tokenizer: Any, prompt: str, context_tokens: int | None = None) 
 
 
 class PromptPreparer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, processor: Any = None) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)  # the worker's own (see the module's docstring)
+        # The VLM's processor (media prompts), the worker's own copy too: it holds a tokenizer.
+        self.processor = copy.deepcopy(processor) if processor is not None else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-prompt")
 
     @classmethod
-    def create(cls, tokenizer: Any) -> PromptPreparer | None:
+    def create(cls, tokenizer: Any, processor: Any = None) -> PromptPreparer | None:
         """None (prompts prepared on the event loop, as before) when the tokenizer cannot be copied."""
         try:
-            return cls(tokenizer)
+            return cls(tokenizer, processor)
         except Exception as exc:
             logger.warning("Text prompts are prepared on the event loop: the tokenizer could not be copied for a worker (%s: %s)",
                            type(exc).__name__, exc)
@@ -107,6 +109,10 @@ class PromptPreparer:
         context_tokens: int | None = None,
     ) -> tuple[list[int], Marks]:
         return await self._run(prepare_chat, render, messages, positions=positions, context_tokens=context_tokens)
+
+    async def media(self, prepare: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``prepare(processor, *args, **kwargs)`` on the worker, with its copy of the processor."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(prepare, self.processor, *args, **kwargs))
 
     async def raw(self, prompt: str, context_tokens: int | None = None) -> list[int]:
         return await self._run(prepare_raw, prompt, context_tokens)

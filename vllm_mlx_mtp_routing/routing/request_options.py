@@ -71,7 +71,7 @@ def sampling_options(options: dict[str, Any]) -> SamplingOptions:
         max_tokens=int(options.get("max_tokens") or 256),
         temperature=float(options.get("temperature") or 0.0),
         top_p=float(top_p if top_p is not None else 1.0),
-        top_k=int(options.get("top_k") or 0),
+        top_k=max(0, int(options.get("top_k") or 0)),  # -1: no limit (vLLM, SGLang)
         min_p=float(options.get("min_p") or 0.0),
         seed=options.get("seed"),
         stop=[stop] if isinstance(stop, str) else list(stop),

@@ -59,7 +59,7 @@ def _top_p(v: Any) -> None:
 
 def _top_k(v: Any) -> None:
     n = _integer("top_k", v)
-    _in_range("top_k", n, n >= 0, ">= 0 (0: no limit)")
+    _in_range("top_k", n, n >= -1, ">= -1 (0 or -1, as vLLM and SGLang write it: no limit)")
 
 
 def _min_p(v: Any) -> None:

@@ -443,9 +443,10 @@ class RaggedKVCache(BaseCache):
         else:
             self._sync_table()
 
-    def extract(self, i: int) -> KVCache:
-        """Row i as a single-sequence ``KVCache`` (e.g. to keep it as a prefix cache)."""
-        if self._shift[i]:
+    def extract(self, i: int, shift: int = 0) -> KVCache:
+        """Row i as a single-sequence ``KVCache`` (e.g. to keep it as a prefix cache); ``shift``: the row's position shift
+        its owner re-applies when it restores the cache (a media row's M-RoPE delta)."""
+        if self._shift[i] != shift:
             raise ValueError("a row with skipped positions has no single-sequence form")
         c = KVCache()
         n = self._lengths[i]

@@ -40,7 +40,7 @@ class DecodeBatch:
         backbone = state.backbone if state.backbone is not None else self._model.make_cache()
         kv = next((c for c in backbone if isinstance(c, KVCache)), None)
         held = 0 if kv is None or kv.keys is None else kv.offset
-        self.backbone.add_row(backbone, shift=state.next_position - held)
+        self.backbone.add_row(backbone, shift=state.next_position - held + state.rope_delta)
         if self.head:
             head = state.head if state.head is not None else [KVCache() for _ in self.head]
             if len(head) != len(self.head):

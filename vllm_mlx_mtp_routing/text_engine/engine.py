@@ -18,6 +18,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..admission.memory_model import MemoryModel
+from ..model.media_forward import VisionParts
 from ..prefix_cache.cache import PrefixCache
 from ..specprefill.pipeline import SpecPrefill
 from ..specprefill.settings import RequestChoice
@@ -26,7 +27,7 @@ from .sampling import SamplingOptions
 from .scheduler import BatchScheduler
 from .shared_prefill import SharedPrefill
 from .spec.mtp import MTPDecode
-from .state import TextOutput, TextRequest
+from .state import MediaInput, TextOutput, TextRequest
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class TextEngine:
         decode: MTPDecode | None = None,
         prefix_cache: PrefixCache | None = None,
         specprefill: SpecPrefill | None = None,
+        vision: VisionParts | None = None,
     ) -> None:
         self.scheduler = BatchScheduler(
             model,
@@ -63,6 +65,7 @@ class TextEngine:
             decode=decode,
             prefix_cache=prefix_cache,
             specprefill=specprefill,
+            vision=vision,
         )
         self._queues: dict[str, asyncio.Queue[TextOutput]] = {}
         self._wakeup: asyncio.Event | None = None
@@ -105,12 +108,13 @@ class TextEngine:
         share: SharedPrefill | None = None,
         specprefill: RequestChoice | None = None,
         cache_salt: str | None = None,
+        media: MediaInput | None = None,
     ) -> str:
         """Queue a request. ``snapshot_at``: prompt positions worth a prefix-cache snapshot
         (``TextRequest``); ``on_joined`` runs (on the step's thread) when its prefill is done and it
         joins the decode batch; ``share``: it is one of the n rows of a request, prefilled once;
         ``specprefill``: its ``specprefill.settings.RequestChoice``; ``cache_salt``: the prefix-cache
-        entries it reads and makes are those of this salt only."""
+        entries it reads and makes are those of this salt only; ``media``: its images (a media row)."""
         if not self.running:
             raise RuntimeError("TextEngine is not started")
         rid = request_id or uuid.uuid4().hex
@@ -118,7 +122,7 @@ class TextEngine:
             raise ValueError(f"duplicate request id {rid!r}")
         self.scheduler.add(
             TextRequest(rid, list(prompt_ids), options, list(snapshot_at or ()), on_joined, share=share, specprefill=specprefill,
-                        cache_salt=cache_salt)
+                        cache_salt=cache_salt, media=media)
         )
         self._queues[rid] = asyncio.Queue()
         assert self._wakeup is not None  # made by start

@@ -17,23 +17,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..model.backbone import backbone_forward
+from ..model.media_forward import VisionParts, media_forward
 from .batch_cache import BatchCache
 from .decode_batch import DecodeBatch
 from .logprobs import row_logprobs
 from .row import Row
-from .sampling import sample_rows
+from .sampling import RowSampler, sample_rows
 from .spec import verify
 from .spec.mtp import MTPDecode
 from .spec.mtp_rows import MTPRowState
 from .spec.proposer import MTPProposer
-from .state import PrefillState
-from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillDone, PrefillWork
+from .state import MediaInput, PrefillState
+from .step_plan import DecodePlan, DecodeResult, MediaEncode, PrefillChunk, PrefillDone, PrefillWork
 
 
 def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.array, state: PrefillState) -> None:
@@ -53,11 +55,62 @@ def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.a
     state.prefilled += tokens.shape[1]
 
 
+def media_prefill_forward(
+    model: nn.Module, vision: VisionParts, proposer: MTPProposer | None, prompt_ids: list[int], media: MediaInput,
+    end: int, state: PrefillState,
+) -> None:
+    """One prefill chunk of a media prompt, ``prompt[state.prefilled:end]``: its token embeddings with each image's
+    features in place of its tokens, at the VLM's M-RoPE positions; otherwise as ``prefill_forward``."""
+    assert state.backbone is not None and media.position_ids is not None  # made by the runner
+    start = state.prefilled
+    tokens = mx.array(prompt_ids[start:end], dtype=mx.uint32)[None]
+    embedded = model.model.embed_tokens(tokens)
+    pieces, at = [], start
+    for j, (s, e) in enumerate(media.spans):
+        if s >= end or e <= start:
+            continue
+        lo, hi = max(s, start), min(e, end)
+        pieces += [embedded[:, at - start : lo - start], media.features[j][None, lo - s : hi - s].astype(embedded.dtype)]
+        at = hi
+    embeddings = mx.concatenate([*pieces, embedded[:, at - start :]], axis=1) if pieces else embedded
+    mode = proposer.hidden_state_mode if proposer is not None else "post_norm"
+    hidden = media_forward(model, vision.rotaries, embeddings, media.position_ids[:, :, start:end], state.backbone, mode)
+    arrays: list = [c.state for c in state.backbone]
+    if proposer is not None:
+        if proposer.wants_prefill_hidden(state, end):
+            arrays.append(proposer.prefill(hidden, tokens, state, start))
+        else:
+            proposer.skip_prefill_chunk(state)
+    mx.eval(arrays)
+    state.prefilled = end
+    for j, (_, e) in enumerate(media.spans):  # an image wholly prefilled needs its features no more
+        if e <= end:
+            media.features.pop(j, None)
+
+
+@dataclass
+class _Launched:
+    """A plain decode step launched and not yet read: its rows, their sampled tokens and logits (on the device)."""
+
+    rows: list[Row]
+    sampled: mx.array  # [B]
+    logits: mx.array  # [B, V]
+    samplers: list[RowSampler]
+
+    def take(self, keep: list[int]) -> _Launched | None:
+        if not keep:
+            return None
+        idx = mx.array(keep, dtype=mx.int32)
+        return _Launched([self.rows[i] for i in keep], self.sampled[idx], self.logits[idx], [self.samplers[i] for i in keep])
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, spec: MTPDecode | None = None) -> None:
+    def __init__(self, model: nn.Module, spec: MTPDecode | None = None, vision: VisionParts | None = None) -> None:
         self.model = model
         self.spec = spec
+        self.vision = vision  # media rows' vision tower and positions (None: text rows only)
         self.batch = DecodeBatch(model, head_layers=spec.head_layers if spec is not None else 0)
+        self._launched: _Launched | None = None  # the plain step decode_ahead launched last
 
     @property
     def cache(self) -> BatchCache:
@@ -75,7 +128,12 @@ class ModelRunner:
                 continue
             tic = time.perf_counter()
             try:
-                tokens = self._chunk(item) if isinstance(item, PrefillChunk) else item.job.advance()
+                if isinstance(item, PrefillChunk):
+                    tokens = self._chunk(item)
+                elif isinstance(item, MediaEncode):
+                    tokens = self._encode(item)
+                else:
+                    tokens = item.job.advance()
             except Exception as e:  # only this row's own caches were touched
                 failed.add(id(item.row))
                 done.append(PrefillDone(0, time.perf_counter() - tic, e))
@@ -97,27 +155,62 @@ class ModelRunner:
         state.prefill_to = row.to_prefill
         if state.prefilled != chunk.start:
             raise RuntimeError(f"chunk starts at {chunk.start}, the row's caches hold {state.prefilled}")
+        proposer = self.spec.proposer if self.spec is not None else None
+        media = row.req.media
+        if media is not None:
+            self._positions(row.req.prompt_ids, media)
+            assert self.vision is not None  # a media row is only added with the vision parts (_positions checks)
+            media_prefill_forward(self.model, self.vision, proposer, row.req.prompt_ids, media, chunk.end, state)
+            return chunk.tokens
         tokens = mx.array(row.req.prompt_ids[chunk.start : chunk.end], dtype=mx.uint32)[None]
-        prefill_forward(self.model, self.spec.proposer if self.spec is not None else None, tokens, state)
+        prefill_forward(self.model, proposer, tokens, state)
         return chunk.tokens
+
+    def _encode(self, item: MediaEncode) -> int:
+        """The vision tower over one image of a media row; its features wait for the chunks that cover its tokens."""
+        media = item.row.req.media
+        if media is None or self.vision is None:
+            raise RuntimeError("a media item for a row without media, or a runner without the vision tower")
+        s, e = media.patch_rows(item.image)
+        features = self.vision.encode(media.pixel_values[s:e], media.grid_thw[item.image])
+        start, end = media.spans[item.image]
+        if features.shape[0] != end - start:
+            raise ValueError(f"image {item.image} gives {features.shape[0]} features for {end - start} prompt tokens")
+        mx.eval(features)
+        media.features[item.image] = features
+        return item.tokens
+
+    def _positions(self, prompt_ids: list[int], media: MediaInput) -> None:
+        if self.vision is None:
+            raise RuntimeError("a media row, but the runner has no vision tower")
+        if media.position_ids is None:
+            media.position_ids, media.rope_delta = self.vision.positions(prompt_ids, media.grid_thw)
 
     # -- joins and leaves ----------------------------------------------------------------------
 
     def join(self, row: Row) -> None:
         """A prefilled row becomes the batch's last row; its prefill-stage caches are released."""
         state = self.prefill_state(row)
+        if row.req.media is not None:  # its decode positions continue the prompt's M-RoPE positions
+            self._positions(row.req.prompt_ids, row.req.media)
+            state.rope_delta = row.req.media.rope_delta
         row.spec = self.spec.proposer.join(state, row.req.prompt_ids) if self.spec is not None else None
         self.batch.insert(row, state)
         row.prefill = None
 
     def keep(self, rows: Sequence[Row]) -> None:
-        """Keep only these rows, in this order; with none left the allocator's cache goes back to the device."""
+        """Keep only these rows, in this order; with none left the allocator's cache goes back to the device. A launched
+        step's tokens of the rows that leave are dropped."""
+        if self._launched is not None:
+            kept = {id(r) for r in rows}
+            self._launched = self._launched.take([i for i, r in enumerate(self._launched.rows) if id(r) in kept])
         self.batch.filter(list(rows))
         if not self.batch.rows:
             mx.clear_cache()
 
     def clear(self) -> None:
         """Drop every row (after a fault that may have left the batch caches half-updated)."""
+        self._launched = None
         self.batch.clear()
 
     # -- decode --------------------------------------------------------------------------------
@@ -136,6 +229,53 @@ class ModelRunner:
             tokens = [[t] for t in cast("list[int]", sampled.tolist())]
             return DecodeResult(tokens, logprobs=row_logprobs(logits[:, None], tokens, samplers))
         return self._speculative(plan, rows, samplers, x)
+
+    def can_decode_ahead(self, rows: Sequence[Row]) -> bool:
+        """A plain step can be launched before the tokens of the one before it are read: no MTP, and no row whose
+        logits processing reads its generated tokens (penalties, processors), which would then be one token short."""
+        return self.spec is None and all(r.sampler.logits is None for r in rows)
+
+    def decode_ahead(self, plan: DecodePlan) -> tuple[list[Row], DecodeResult] | None:
+        """Launch the batch's next plain step (``mx.async_eval``), its inputs the tokens the step launched before it
+        sampled, still on the device; then read that earlier step: its rows and their tokens (None: none was launched).
+
+        While the device runs the new step the scheduler reads, streams and plans (mlx-lm's ``BatchGenerator`` and the
+        host's batch generator pipeline their steps the same way). The arithmetic is the serial step's, so outputs are
+        the same. A row that finishes with the earlier step has its token of the new step dropped when it leaves, and
+        its caches then hold its last token too (prefix_cache.plan keeps such a row's state as such)."""
+        rows = list(plan.rows)
+        if len(rows) != len(self.batch.rows):
+            raise RuntimeError(f"a plan of {len(rows)} rows for a batch of {len(self.batch.rows)}")
+        before = self._launched
+        samplers = [r.sampler for r in rows]
+        x = self._inputs(rows, before)
+        logits = self.model(x, cache=self.cache.layers)[:, -1, :]
+        sampled = sample_rows(logits, samplers)
+        mx.async_eval(sampled, self.cache.state())
+        self._launched = _Launched(rows, sampled, logits, samplers)
+        return self._read(before) if before is not None else None
+
+    def settle(self) -> tuple[list[Row], DecodeResult] | None:
+        """Read the step ``decode_ahead`` launched last, launching none (before a serial step)."""
+        before, self._launched = self._launched, None
+        return self._read(before) if before is not None else None
+
+    @staticmethod
+    def _inputs(rows: list[Row], before: _Launched | None) -> mx.array:
+        """[B, 1]: each row's next input, the launched step's token (on the device) where the row was in it."""
+        if before is None:
+            return mx.array([r.next_input for r in rows], dtype=mx.uint32)[:, None]
+        if [id(r) for r in before.rows] == [id(r) for r in rows]:
+            return before.sampled.astype(mx.uint32)[:, None]
+        at = {id(r): i for i, r in enumerate(before.rows)}
+        parts = [before.sampled[at[id(r)] : at[id(r)] + 1].astype(mx.uint32) if id(r) in at
+                 else mx.array([r.next_input], dtype=mx.uint32) for r in rows]  # rows that joined since
+        return mx.concatenate(parts)[:, None]
+
+    @staticmethod
+    def _read(step: _Launched) -> tuple[list[Row], DecodeResult]:
+        tokens = [[t] for t in cast("list[int]", step.sampled.tolist())]
+        return step.rows, DecodeResult(tokens, logprobs=row_logprobs(step.logits[:, None], tokens, step.samplers))
 
     def _speculative(self, plan: DecodePlan, rows: list[Row], samplers: list, x: mx.array) -> DecodeResult:
         spec = self.spec

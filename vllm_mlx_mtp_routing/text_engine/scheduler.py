@@ -44,6 +44,7 @@ import mlx.nn as nn
 
 from .. import gc_pauses
 from ..admission.memory_model import MemoryModel
+from ..model.media_forward import VisionParts
 from ..prefix_cache.cache import PrefixCache
 from ..prefix_cache.plan import SnapshotPlan
 from ..specprefill.pipeline import SpecPrefill
@@ -57,7 +58,7 @@ from .row import Row
 from .runner import ModelRunner
 from .spec.mtp import MTPDecode
 from .state import PrefillState, TextOutput, TextRequest
-from .step_plan import DecodePlan, DecodeResult, PrefillChunk, PrefillWork, SparsePiece
+from .step_plan import DecodePlan, DecodeResult, MediaEncode, PrefillChunk, PrefillWork, SparsePiece
 from .step_profile import StepProfile, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,11 @@ class BatchScheduler:
         decode: MTPDecode | None = None,
         prefix_cache: PrefixCache | None = None,
         specprefill: SpecPrefill | None = None,
+        vision: VisionParts | None = None,
     ) -> None:
         """``decode``: MTP speculative decoding (None: one token per row per step); ``prefix_cache``: None
-        prefills every prompt in full; ``specprefill``: None prefills every prompt densely."""
+        prefills every prompt in full; ``specprefill``: None prefills every prompt densely; ``vision``: the VLM's
+        vision tower and positions, for media rows (None: text rows only)."""
         if max_num_seqs < 1 or prefill_step_size < 1:
             raise ValueError("max_num_seqs and prefill_step_size must be >= 1")
         self.model = model
@@ -94,7 +97,9 @@ class BatchScheduler:
         self.spec = decode
         self.prefix_cache = prefix_cache
         self.specprefill = specprefill
-        self.runner = ModelRunner(model, decode)
+        self.runner = ModelRunner(model, decode, vision)
+        self.media_rows = 0  # media requests that joined the batch
+        self.images_encoded = 0
         self.waiting: deque[Row] = deque()
         self.prefilling: list[Row] = []
         self.steps = 0
@@ -136,6 +141,8 @@ class BatchScheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if restored is not None:
             restored.check(len(request.prompt_ids))
+        if request.media is not None and self.runner.vision is None:
+            raise ValueError("a media request, but this engine serves text only")
         self.waiting.append(Row(request, self.tokenizer, self.eos_ids, restored))
 
     def abort(self, request_id: str) -> TextOutput | None:
@@ -227,14 +234,20 @@ class BatchScheduler:
         if row.plan is not None:
             return
         row.plan = SnapshotPlan.start(self.prefix_cache, row)
-        if self.specprefill is not None:  # scored and prefilled sparsely in pieces, see specprefill/
+        if self.specprefill is not None and row.req.media is None:  # scored and prefilled sparsely in pieces, see specprefill/
             row.sparse = self.specprefill.start(row, self)
 
     def _next_work(self, row: Row) -> PrefillWork:
         job = row.sparse if row.sparse is not None and row.sparse.ready() else None
         if job is not None:
             return SparsePiece(row, job, job.next_cost())
-        return PrefillChunk(row, row.prefilled, row.prefilled + self._chunk_len(row))
+        chunk = PrefillChunk(row, row.prefilled, row.prefilled + self._chunk_len(row))
+        media = row.req.media
+        image = media.unencoded(chunk.start, chunk.end) if media is not None else None
+        if media is not None and image is not None:  # its vision features first, one image per item
+            start, end = media.spans[image]
+            return MediaEncode(row, image, end - start)
+        return chunk
 
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
@@ -247,7 +260,9 @@ class BatchScheduler:
         return (row.plan.cut(start, end) if row.plan is not None else end) - start
 
     def _after_work(self, work: PrefillWork) -> None:
-        if isinstance(work, PrefillChunk):
+        if isinstance(work, MediaEncode):
+            self.images_encoded += 1
+        elif isinstance(work, PrefillChunk):
             self.prompt_tokens += work.tokens
             if work.row.plan is not None:  # a snapshot where the plan wants one
                 work.row.plan.after_chunk(work.row, work.tokens)
@@ -266,6 +281,7 @@ class BatchScheduler:
             row.req.share.joined(row, state)
             self.shared_prefill_rows += row.shared_prefill
         self.runner.join(row)
+        self.media_rows += row.req.media is not None
         if row.req.on_joined is not None:  # e.g. admission giving back the prefill working set
             try:
                 row.req.on_joined()
@@ -279,16 +295,31 @@ class BatchScheduler:
         return DecodePlan(rows, k, drafting)
 
     def _decode(self) -> list[TextOutput]:
+        """One decode step of the batch. A plain step is launched before the previous one's tokens are read
+        (``ModelRunner.decode_ahead``), so it is those that come out here; a batch that cannot be decoded ahead reads the
+        launched step first and decodes serially from the next step on."""
         rows = list(self.running)
         self.batch_size_histogram[len(rows)] = self.batch_size_histogram.get(len(rows), 0) + 1
         try:
-            plan = self._plan_decode(rows)
-            result = self.runner.decode(plan)
-            self._observe(plan, result)
+            if self.runner.can_decode_ahead(rows):
+                done = self.runner.decode_ahead(self._plan_decode(rows))
+            else:
+                done = self.runner.settle()
+                if done is None:
+                    plan = self._plan_decode(rows)
+                    result = self.runner.decode(plan)
+                    self._observe(plan, result)
+                    done = (rows, result)
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
             logger.exception("decode step failed; failing %d running requests", len(rows))
             self.runner.clear()
             return [r.output("error", error=f"{type(e).__name__}: {e}") for r in rows]
+        if done is None:
+            return []
+        return self._emit(*done)
+
+    def _emit(self, rows: list[Row], result: DecodeResult) -> list[TextOutput]:
+        """The rows' tokens of one decode step: their outputs; rows that finished leave the batch."""
         outputs, finished = [], []
         for i, (row, tokens) in enumerate(zip(rows, result.tokens)):
             before = len(row.token_ids)
@@ -308,7 +339,7 @@ class BatchScheduler:
             if row.finish_reason:
                 finished.append(row)
                 if self.prefix_cache is not None:
-                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, i)
+                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, self.running.index(row))
         if finished:
             self._drop_rows(finished)
         return outputs
@@ -346,6 +377,8 @@ class BatchScheduler:
             "steps": self.steps,
             "prompt_tokens_processed": self.prompt_tokens,
             "shared_prefill_rows": self.shared_prefill_rows,
+            "media_rows": self.media_rows,
+            "images_encoded": self.images_encoded,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "slowest_steps": self.profile.slowest(),

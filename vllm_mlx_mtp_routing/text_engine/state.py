@@ -90,6 +90,50 @@ class RequestChoice:
 
 
 @dataclass
+class MediaInput:
+    """The images of a media request, as the VLM's processor made them; the row prefills them through the vision
+    tower and the M-RoPE forward (runner.py, model/media_forward.py).
+
+    ``spans``: each image's tokens in the prompt, [start, end); ``digests``: a hash of each image's decoded pixels, so
+    the prefix cache keys a prompt by its tokens and its images (``key_ids``). ``features``, ``position_ids`` and
+    ``rope_delta`` are made on the engine's thread when the row needs them.
+    """
+
+    pixel_values: mx.array  # every image's patches, image after image
+    grid_thw: list[tuple[int, int, int]]
+    spans: list[tuple[int, int]]
+    digests: list[bytes]
+    features: dict[int, mx.array] = field(default_factory=dict)  # image index -> its tokens' embeddings
+    position_ids: mx.array | None = None  # [3, 1, len(prompt)]
+    rope_delta: int = 0  # decode positions past the prompt run this far from the token count
+
+    def __post_init__(self) -> None:
+        if not (len(self.grid_thw) == len(self.spans) == len(self.digests)):
+            raise ValueError("one grid, span and digest per image")
+
+    def patch_rows(self, image: int) -> tuple[int, int]:
+        """The pixel rows of one image: [start, end)."""
+        start = sum(t * h * w for t, h, w in self.grid_thw[:image])
+        t, h, w = self.grid_thw[image]
+        return start, start + t * h * w
+
+    def key_ids(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's prefix-cache key: its tokens, each image's tokens replaced by an id made from its digest (negative:
+        never a real token), so the same image hits and a different one of the same size does not."""
+        ids = list(prompt_ids)
+        for (start, end), digest in zip(self.spans, self.digests):
+            ids[start:end] = [-1 - int.from_bytes(digest[:7], "big")] * (end - start)
+        return ids
+
+    def unencoded(self, start: int, end: int) -> int | None:
+        """The first image with tokens in [start, end) whose features are not made yet."""
+        for j, (s, e) in enumerate(self.spans):
+            if s < end and e > start and j not in self.features:
+                return j
+        return None
+
+
+@dataclass
 class TextRequest:
     request_id: str
     prompt_ids: list[int]
@@ -106,6 +150,13 @@ class TextRequest:
     # The client's ``cache_salt``: the prefix-cache snapshots this request reads and makes are keyed by it, so
     # requests with another salt (or none) never share them. None: the unsalted entries.
     cache_salt: str | None = None
+    # A media request's images (None: text only).
+    media: MediaInput | None = None
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """What the prefix cache keys this prompt by: its tokens, and its images where it has some."""
+        return self.prompt_ids if self.media is None else self.media.key_ids(self.prompt_ids)
 
 
 @dataclass
@@ -135,6 +186,8 @@ class PrefillState:
     prefilled: int = 0
     position: int | None = None
     prefill_to: int | None = None  # len(prompt) - 1, set by the scheduler: where the prefill ends
+    # A media prompt's M-RoPE delta: its decode positions run this far from the token count (set as the row joins).
+    rope_delta: int = 0
 
     @property
     def next_position(self) -> int:

@@ -38,7 +38,17 @@ class SparsePiece:
     tokens: int  # its projected cost in prompt tokens
 
 
-PrefillWork = PrefillChunk | SparsePiece
+@dataclass(frozen=True)
+class MediaEncode:
+    """The vision tower over one image of a media row: the embeddings its prompt tokens take (state.MediaInput)."""
+
+    row: Row
+    image: int
+    tokens: int  # its projected cost in prompt tokens: the image's tokens
+
+
+
+PrefillWork = PrefillChunk | SparsePiece | MediaEncode
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class MTPDecode:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "enabled": True,
             "k": self.k,
             "drafted": self.drafted,
             "accepted": self.accepted,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU runner: `bash benchmarks/gpu_run.sh JOB` on a machine with an NVIDIA GPU, from any directory, after the
+# staging that benchmarks/README.md ("GPU runs") describes. Each job sources gpu_setup.sh (MLX's CUDA build and the
+# host's wheels into $SITE, once per machine) and writes its results under $OUT.
+#
+# Jobs (benchmarks/gpu/JOB.sh; each one's header lists its environment variables):
+#   serve        serve_bench.py, host alone vs host + plugin, trained model and a 2B-shaped model
+#   onoff        serve_bench.py, the plugin with --enable-mtp against the plugin without it, servers interleaved
+#   mixed        mixed_load.py, text + image requests: host, host + plugin and mlx-vlm's server, 2B shape
+#   agentic      agentic_bench.py, multi-turn conversations sharing a prefix, host vs plugin, 2B shape
+#   mtp          mtp_decode_bench.py, batched MTP in the engine on the trained model
+#   mtp_shapes   mtp_shapes_bench.py, MTP at Qwen3.5-2B / 9B shapes with forced acceptance
+#   stall        prefill_stall.py, running streams while a 16K-token prompt prefills
+#   specprefill  specprefill_speed.py, TTFT dense vs SpecPrefill at 8K-32K tokens, 9B-shaped target
+#   kernels      the CUDA kernels' exactness and speed (recurrence, few-row matmul)
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+job=${1:-}
+if [ -z "$job" ] || [ "$job" = stage ] || [ ! -e "$here/gpu/$job.sh" ]; then
+  # gpu/stage.sh is not a job: it runs on the workstation, before (see benchmarks/README.md)
+  echo "usage: bash benchmarks/gpu_run.sh JOB   (JOB: $(cd "$here/gpu" && ls *.sh | grep -v '^stage' | sed 's/\.sh$//' | tr '\n' ' '))" >&2
+  exit 2
+fi
+shift
+exec bash "$here/gpu/$job.sh" "$@"

@@ -1,0 +1,196 @@
+"""Image requests as rows of the text batch: exact alone, batched, with MTP, and across prefix-cache turns.
+
+fp32 tiny Qwen3.5 VLM (random vision tower). An image request's prompt is prepared as the server prepares it
+(routing/media_prompt.py: the host's template placeholders, the VLM's processor), then prefilled through the vision
+tower and the M-RoPE forward and decoded in the text batch.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from PIL import Image
+
+from vllm_mlx_mtp_routing.model.media_forward import VisionParts
+from vllm_mlx_mtp_routing.model.text_model import build_text_model
+from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
+from vllm_mlx_mtp_routing.routing.media_prompt import MediaPrompt, image_spans, prepare_media_chat
+from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
+from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import TextOutput, TextRequest
+
+PREFILL = 16  # small: image prompts span several chunks, some cut inside an image
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_vlm_fp32: Path):
+    from mlx_vlm import load
+
+    vlm, processor = load(str(tiny_vlm_fp32))
+    config = json.loads((tiny_vlm_fp32 / "config.json").read_text())
+    bundle = build_text_model(vlm, tiny_vlm_fp32, config)
+    return vlm, processor, bundle, VisionParts(vlm, config)
+
+
+def data_url(color: tuple[int, int, int], size: tuple[int, int] = (160, 128), stripe: bool = True) -> str:
+    img = Image.new("RGB", size, color)
+    if stripe:  # a little structure, so patches differ
+        for x in range(0, size[0], 8):
+            for y in range(size[1]):
+                img.putpixel((x, y), (255 - color[0], color[1], 255 - color[2]))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(urls: list[str], text: str = "What is in this picture?") -> list[dict]:
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def prepare(vl, messages: list[dict], positions: bool = False) -> MediaPrompt:
+    from vllm_mlx.engine.batched import BatchedEngine
+
+    _, processor, _, vision = vl
+
+    def render(msgs: list[dict], images: int) -> str:
+        return processor.apply_chat_template(BatchedEngine._prepare_mllm_messages(msgs), tokenize=False, add_generation_prompt=True)
+
+    return prepare_media_chat(processor, render, messages, image_token_id=vision.image_token_id, merge=vision.merge,
+                              positions=positions)
+
+
+def scheduler(vl, *, decode=None, cache=None, max_num_seqs=4) -> BatchScheduler:
+    _, processor, bundle, vision = vl
+    return BatchScheduler(bundle.model, processor.tokenizer, max_num_seqs=max_num_seqs, prefill_step_size=PREFILL,
+                          decode=decode, prefix_cache=cache, vision=vision)
+
+
+def run(sched: BatchScheduler, jobs: list) -> dict[int, list[int]]:
+    """jobs: [(arrival step, MediaPrompt | token list, max_tokens)] -> {index: greedy tokens}."""
+    pending, finals, step = list(range(len(jobs))), {}, 0
+    while pending or sched.has_work():
+        while pending and jobs[pending[0]][0] <= step:
+            i = pending.pop(0)
+            _, prompt, n = jobs[i]
+            ids, media = (prompt.ids, prompt.media) if isinstance(prompt, MediaPrompt) else (prompt, None)
+            marks = prompt.marks if isinstance(prompt, MediaPrompt) else []
+            sched.add(TextRequest(str(i), list(ids), SamplingOptions(max_tokens=n), marks, media=media))
+        for out in sched.step():
+            if out.finished:
+                assert out.finish_reason == "length", out.error
+                finals[int(out.request_id)] = out.token_ids
+        step += 1
+    return finals
+
+
+def finish(sched: BatchScheduler, request: TextRequest) -> TextOutput:
+    """Add ``request`` to a scheduler with nothing else to do and step until it ends: its final output."""
+    sched.add(request)
+    last = None
+    while sched.has_work():
+        last = next((o for o in sched.step() if o.finished), last)
+    assert last is not None
+    return last
+
+
+def alone(vl, prompt, n: int, **kw) -> list[int]:
+    return run(scheduler(vl, max_num_seqs=1, **kw), [(0, prompt, n)])[0]
+
+
+def mlx_vlm_greedy(vl, prompt: MediaPrompt, n: int) -> tuple[list[int], list[mx.array]]:
+    """The VLM's own forward for the request alone (its language model with its positions, then its decode)."""
+    vlm = vl[0]
+    media = prompt.media
+    ids = mx.array([prompt.ids])
+    grid = mx.array([list(g) for g in media.grid_thw])
+    feat = vlm.get_input_embeddings(ids, media.pixel_values, image_grid_thw=grid)
+    lm = vlm.language_model
+    cache = lm.make_cache()
+    out = lm(ids, inputs_embeds=feat.inputs_embeds, cache=cache, position_ids=feat.position_ids)
+    tokens, logits = [], []
+    for _ in range(n):
+        last = out.logits[:, -1]
+        logits.append(last)
+        t = int(last.argmax().item())
+        tokens.append(t)
+        out = lm(mx.array([[t]]), cache=cache, rope_deltas=feat.rope_deltas)
+    return tokens, logits
+
+
+def test_image_spans_check_the_runs():
+    assert image_spans([1, 9, 9, 2, 9, 9, 9, 3], 9, [2, 3]) == [(1, 3), (4, 7)]
+    with pytest.raises(ValueError):
+        image_spans([1, 9, 2], 9, [2])
+    with pytest.raises(ValueError):
+        image_spans([9, 9, 1, 9], 9, [2])
+
+
+def test_alone_matches_the_vlm_forward(vl):
+    prompt = prepare(vl, chat([data_url((200, 30, 30))]))
+    assert prompt.media.spans and len(prompt.ids) > 2 * PREFILL  # chunks cut inside the image too
+    n = 12
+    ours = alone(vl, prompt, n)
+    ref, ref_logits = mlx_vlm_greedy(vl, prompt, n)
+    if ours != ref:  # only a rounding-level tie may split them
+        i = next(k for k, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        step = ref_logits[i][0]
+        assert abs(step[ours[i]].item() - step[ref[i]].item()) < 1e-4, (i, ours, ref)
+
+
+def test_batched_beside_text_and_images_equals_alone(vl):
+    red = prepare(vl, chat([data_url((220, 20, 20))], "Describe it."))
+    two = prepare(vl, chat([data_url((20, 200, 40), (32, 64)), data_url((10, 10, 230))], "Compare these two images, please."))
+    text = [int(t) for t in mx.random.randint(10, 3000, (37,), key=mx.random.key(3)).tolist()]
+    jobs = [(0, text, 14), (1, red, 10), (1, two, 12), (3, red, 9), (6, text[:5], 11)]
+    batched = run(scheduler(vl, max_num_seqs=3), jobs)
+    for i, (_, p, n) in enumerate(jobs):
+        assert batched[i] == alone(vl, p, n), f"request {i}"
+
+
+def test_different_images_give_different_outputs(vl):
+    outs = {tuple(alone(vl, prepare(vl, chat([data_url(c, stripe=False)])), 8))
+            for c in [(255, 0, 0), (0, 255, 0), (0, 0, 255)]}
+    assert len(outs) == 3
+
+
+def test_mtp_equals_plain(vl):
+    bundle = vl[2]
+    prompt = prepare(vl, chat([data_url((120, 60, 200))], "Tell me a long story about this image."))
+    plain = alone(vl, prompt, 16)
+    decode = MTPDecode(bundle.mtp, k=2, adaptive=False)
+    sched = scheduler(vl, decode=decode, max_num_seqs=1)
+    assert run(sched, [(0, prompt, 16)])[0] == plain
+    assert decode.stats()["drafted"] > 0
+
+
+def test_second_turn_resumes_past_the_same_image_only(vl):
+    bundle = vl[2]
+    url, other = data_url((30, 140, 90)), data_url((140, 30, 90))
+    cache = PrefixCache(bundle.model, 64 * 2**20, with_head=False)
+    sched = scheduler(vl, cache=cache)
+    turn1 = prepare(vl, chat([url], "What colour dominates?"), positions=True)
+    first = run(sched, [(0, turn1, 6)])[0]
+    follow = [*chat([url], "What colour dominates?"), {"role": "assistant", "content": "Green."},
+              {"role": "user", "content": "And the stripes?"}]
+    turn2 = prepare(vl, follow, positions=True)
+    # The template renders the generation prompt and a past reply differently: the end of the turn-1 user message is
+    # what the two prompts share, a snapshot position of turn 1.
+    shared = next(i for i, (a, b) in enumerate(zip(turn1.ids, turn2.ids)) if a != b)
+    assert any(pos <= shared and pos > turn1.media.spans[0][1] for pos, _ in turn1.marks), (turn1.marks, shared)
+    out = finish(sched, TextRequest("t2", turn2.ids, SamplingOptions(max_tokens=6), turn2.marks, media=turn2.media))
+    assert out.cached_tokens > turn1.media.spans[0][1]
+    assert out.token_ids == alone(vl, turn2, 6)  # a cold server's output
+    assert first == alone(vl, turn1, 6)
+    # The same conversation with another image of the same size: no hit past the image's first token.
+    swapped = prepare(vl, [*chat([other], "What colour dominates?"), *follow[1:]], positions=True)
+    assert swapped.ids == turn2.ids
+    last = finish(sched, TextRequest("t3", swapped.ids, SamplingOptions(max_tokens=6), swapped.marks, media=swapped.media))
+    assert last.cached_tokens <= swapped.media.spans[0][0]
+    assert last.token_ids == alone(vl, swapped, 6)
