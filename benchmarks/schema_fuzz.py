@@ -2,7 +2,7 @@
 
 Schemathesis (not a project requirement: `.venv/bin/pip install schemathesis`) generates requests from the host's own
 OpenAPI schema, valid and invalid ones, for every operation it lists; /v1/messages and /v1/messages/count_tokens,
-which that schema lists without a body, get the Anthropic request schema (benchmarks/schemas/anthropic_messages.json).
+which that schema lists without a body, get the Anthropic request schema (lib/anthropic_messages_schema.json).
 Every `model` field is the served model's name, and max_tokens fields are capped in the schema at 16 (the servers
 at 64) so that valid requests generate briefly. Requests are sent one at a time and recorded (HAR); the table counts
 each operation's requests, its 5xx answers other than 503, and its 503s (the host's answer for a feature that is not
@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(REPO))  # run as a script from any directory
 sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
 from support.server import serve  # noqa: E402
 
-ANTHROPIC = REPO / "benchmarks" / "schemas" / "anthropic_messages.json"
+ANTHROPIC = REPO / "benchmarks" / "lib" / "anthropic_messages_schema.json"
 BASE_FLAGS = ("--continuous-batching", "--mllm", "--max-num-seqs", "4", "--max-tokens", "64")
 SETUPS = {"host": BASE_FLAGS, "plugin": ("--plugins", "mtp-routing", *BASE_FLAGS)}
 MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -123,13 +122,13 @@ def run(setup: str, model: Path, seed: int, examples: int, out: Path) -> tuple[d
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="default: the tiny bf16 test model, built in a temp dir")
+    ap.add_argument("--model", type=Path, default=None, help="default: the tiny bf16 test model, built under --out")
     ap.add_argument("--seed", type=int, default=20261127)
     ap.add_argument("--examples", type=int, default=25, help="examples per operation in the fuzzing phase")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/tmp/schema-fuzz-<time>")
     ap.add_argument("--setups", default="host,plugin")
     a = ap.parse_args(argv)
-    out = a.out or Path(tempfile.mkdtemp(prefix="schema-fuzz-"))
+    out = a.out or REPO / "benchmarks" / "results" / "tmp" / time.strftime("schema-fuzz-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = a.model
     if model is None:
