@@ -27,6 +27,7 @@ SHARED_SERVER_UNITS = {
     "test_reliability_e2e.py": "shared-bf16-server", "test_malformed_input_e2e.py": "shared-bf16-server",
     "test_fuzz_e2e.py": "shared-bf16-server", "test_cache_salt_e2e.py": "shared-bf16-server",
     "test_operator_messages_e2e.py": "shared-bf16-server", "test_agent_replays_e2e.py": "shared-bf16-server",
+    "test_hostile_input_e2e.py": "shared-bf16-server",
 }
 
 
@@ -143,6 +144,36 @@ def tiny_vlm_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
         with open(str(root) + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits instead of training the same tokenizer
             return tiny_model_dir(root, dtype=dtype, placement=placement)
+
+    return factory
+
+
+TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen35-trained"
+MOE_LAYOUTS = ("mlx", "fused", "per-expert")
+
+
+@pytest.fixture(scope="session")
+def moe_vlm_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(layout="fused", dtype="float32") -> Path`: the trained tiny model made a Qwen3.5-MoE VLM
+    (support/moe_model.py: its MTP head too, so drafts are accepted), in mlx-vlm's MLX layout ("mlx") or as a raw
+    Hugging Face checkpoint with fused ("fused") or per-expert ("per-expert") experts; each built once per run."""
+    from support.checkpoint_variants import export_raw_hf, staged
+    from support.moe_model import moe_from_dense
+
+    root = _run_dir(tmp_path_factory) / "moe_vlm"
+
+    def factory(layout: str = "fused", dtype: str = "float32") -> Path:
+        if layout not in MOE_LAYOUTS:
+            raise ValueError(f"layout {layout!r} not in {MOE_LAYOUTS}")
+        root.mkdir(exist_ok=True)
+        with open(str(root) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            mlx = root / f"mlx-{dtype}"
+            if not (mlx / "config.json").exists():
+                moe_from_dense(TRAINED, mlx, dtype=dtype)
+            if layout == "mlx":
+                return mlx
+            return staged(root / f"{layout}-{dtype}", lambda d: export_raw_hf(mlx, d, dtype=dtype, experts=layout))
 
     return factory
 

@@ -88,6 +88,8 @@ def test_count_tokens_counts_valid_input_and_refuses_junk(server: Server) -> Non
     assert r.status_code == 200, r.text
     assert r.json() == {"input_tokens": sum(len(tok.encode(t)) for t in (system, question, answer))}
     assert server.post(COUNT, json={**body, "max_tokens": 0}, timeout=30).status_code == 200  # a count takes no max_tokens
+    nulls = server.post(COUNT, json={**body, "tools": None, "tool_choice": None, "metadata": None}, timeout=30)
+    assert nulls.status_code == 200 and nulls.json() == r.json(), nulls.text  # optional fields given as null: unset
     assert_refused(server, COUNT, "messages", model=server.model, messages=5)
     assert_refused(server, COUNT, "messages[0]", model=server.model, messages=[7])
     assert_refused(server, COUNT, "tools[0]", **{**body, "tools": [1]})
@@ -116,6 +118,23 @@ def test_responses_max_output_tokens_out_of_range_is_400(server: Server, value: 
 ])
 def test_responses_input_items_the_host_would_trip_over_are_400(server: Server, item: dict, field: str) -> None:
     assert_refused(server, RESPONSES, field, model=server.model, input=[item], max_output_tokens=3)
+
+
+def test_responses_tools_the_chat_request_refuses_are_400(server: Server) -> None:
+    """The host builds a chat request from a Responses one; its validation of what it copies (a function name) was
+    a 500 (found by the Schemathesis run, docs/robustness.md)."""
+    tool = {"type": "function", "name": "not a name!", "parameters": {"type": "object", "properties": {}}}
+    assert_refused(server, RESPONSES, "tools.0", model=server.model, input="hi", tools=[tool], max_output_tokens=3)
+
+
+@pytest.mark.parametrize("url", ["\u00a8", "/tmp/picture.png"])
+def test_image_references_that_are_no_url_are_400(server: Server, url: str) -> None:
+    """Found by the Schemathesis run: an Anthropic url image source (or a chat image_url) that is neither an http(s)
+    URL nor inline data was a 500 from the host's media path."""
+    block = {"type": "image", "source": {"type": "url", "url": url}}
+    assert_refused(server, MESSAGES, "http(s) URL", **anthropic(server, messages=[{"role": "user", "content": [block]}]))
+    part = {"type": "image_url", "image_url": {"url": url}}
+    assert_refused(server, CHAT, "http(s) URL", **chat(server, messages=[{"role": "user", "content": [part]}]))
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES, COUNT, RESPONSES])

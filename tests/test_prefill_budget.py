@@ -357,3 +357,25 @@ def test_a_lone_prompts_chunk_fills_the_idle_time_within_the_step_size() -> None
     assert budget.idle_chunk_at(0, IDLE_CHUNK_S / 10**6) == 2048
     assert budget.idle_chunk_at(262144, 100.0) == budget.chunk_at(262144)
     assert budget.stats()["idle_chunk_at"] is not None and _budget().stats()["idle_chunk_at"] is None
+
+
+def test_a_model_whose_forward_fails_starts_with_one_line_and_the_fixed_chunk(tmp_path, caplog) -> None:
+    """A forward the device cannot run (as a bf16 MoE on MLX's CPU GatherMM was): one error line naming the cause, the
+    --prefill-step-size chunk, nothing stored."""
+    from vllm_mlx_mtp_routing.text_engine import calibration_file
+
+    class Refusing:
+        def make_cache(self) -> list:
+            return []
+
+        def __call__(self, tokens, cache=None):
+            raise RuntimeError("[GatherMM::eval] Currently only supports float32.")
+
+    path = tmp_path / "calibration.json"
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_mtp_routing"):
+        budget = calibration_file.calibrated(Refusing(), max_chunk=512, ratio=3.0, vocab_size=100, path=path, weights="w")
+    assert (budget.chunk_tokens, budget.bounded) == (512, False)
+    lines = [r for r in caplog.records if "forward fails" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR and not lines[0].exc_info
+    assert "RuntimeError: [GatherMM::eval] Currently only supports float32." in lines[0].getMessage()
+    assert not path.exists()

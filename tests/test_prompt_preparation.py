@@ -173,3 +173,28 @@ def test_a_tokenizer_that_cannot_be_copied_keeps_preparation_on_the_loop(caplog)
     with caplog.at_level("WARNING"):
         assert PromptPreparer.create(Uncopyable()) is None
     assert "prepared on the event loop" in caplog.text and "cannot pickle" in caplog.text
+
+
+def test_a_prompt_far_past_the_context_is_refused_counting_only_the_context(tok):
+    """A prompt of many times the context in characters is counted slice by slice, and refused once the count passes
+    the context: the work is the context's worth of tokens, whatever the body's size. Counting agrees with the full
+    tokenization where it passes."""
+    from vllm_mlx_mtp_routing.plugin_api.errors import RequestRejected
+    from vllm_mlx_mtp_routing.routing.prompt_preparation import check_length
+
+    context = 2000
+    calls = []
+    counting = copy.copy(tok)
+    counting.encode = lambda text, **kw: calls.append(len(text)) or tok.encode(text, **kw)  # type: ignore[method-assign]
+    huge = LONG * 2000  # ~9M characters
+    with pytest.raises(RequestRejected) as refused:
+        check_length(counting, huge, context)
+    assert refused.value.status_code == 400 and "the model's context is 2000 tokens" in refused.value.message
+    assert sum(calls) < 8 * context + (1 << 16)  # a slice or so past the context, not the 9M characters
+    sparse = ("x" + " " * 40 + "\n") * 4000  # few tokens for its characters (long whitespace tokens): counted, fits
+    n = len(tok.encode(sparse, add_special_tokens=False))
+    assert len(sparse) > 8 * (n + 5)
+    check_length(tok, sparse, n + 5)
+    with pytest.raises(RequestRejected):
+        check_length(tok, sparse, n // 2)
+    check_length(tok, huge, None)  # no context known: nothing to check against

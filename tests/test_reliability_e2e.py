@@ -89,7 +89,7 @@ def test_bad_seed_beside_running_streams_is_400_and_they_complete(server: Server
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5), ("min_p", -0.1),
     ("frequency_penalty", 3.0), ("presence_penalty", -2.5), ("repetition_penalty", 0.0), ("seed", 2**64),
-    ("stop", [1, 2]), ("stop", ["x"] * 17), ("max_tokens", 0),
+    ("stop", [1, 2]), ("stop", ["x"] * 17), ("max_tokens", 0), ("timeout", -3e16), ("timeout", -1),
 ])
 def test_out_of_range_parameter_is_400_naming_it(server: Server, field: str, value: object) -> None:
     for stream in (False, True):

@@ -183,3 +183,22 @@ def test_undecodable_inline_images_are_400() -> None:
     block = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}}]}
     with pytest.raises(RequestRejected):
         validate_inline_images([block])
+
+
+def test_image_references_the_host_cannot_read_are_400() -> None:
+    """vllm-mlx 0.6.0 reads http(s) URLs, data:image URLs and long raw base64; anything else (a path, junk, an
+    Anthropic url source that is no URL) was a 500 from its media path."""
+    from support.server import png_data_url
+    from vllm_mlx_mtp_routing.routing.request_validation import validate_inline_images
+
+    def chat(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    for url in ("https://example.com/a.png", "http://x/y.jpg", png_data_url((1, 2, 3)), png_data_url((1, 2, 3)).split(",")[1]):
+        validate_inline_images(chat(url))
+    for url in ("\u00a8", "/tmp/picture.png", "ftp://example.com/a.png", "file:///etc/passwd", "Q" * 120):
+        with pytest.raises(RequestRejected, match=r"messages\[0\]\.content\[0\]"):
+            validate_inline_images(chat(url))
+    anthropic = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "\u00a8"}}]}]
+    with pytest.raises(RequestRejected, match="http"):
+        validate_inline_images(anthropic)

@@ -5,7 +5,9 @@ Built from any MLX-layout Qwen3.5 VLM (the tiny builder's output or the committe
 
   1. `export_raw_hf` writes what the Hub ships: HF key names (`model.language_model.*`,
      `model.visual.*`, `lm_head.weight`), top-level `mtp.*` in the main shard, zero-centred RMSNorm
-     weights (the module computes x * (1 + w)), PyTorch conv layouts, `format: pt` metadata.
+     weights (the module computes x * (1 + w)), PyTorch conv layouts, `format: pt` metadata; an MoE model's
+     experts fused (`experts.gate_up_proj`, `experts.down_proj`, as Qwen3.5-MoE ships) or per expert
+     (`experts.{e}.{gate,up,down}_proj.weight`, as Qwen3-Next ships).
   2. `convert_with_mlx_vlm` runs mlx-vlm 0.7.10's own `convert` on it (dtype cast, quantization with
      any bits/group size or a mixed recipe, `--mtp` drafter extraction by its qwen3_5_mtp splitter):
      the converted model carries no MTP tensors and the drafter folder (`model_type: qwen3_5_mtp`) is
@@ -29,6 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+EXPERT_LAYOUTS = ("fused", "per-expert")
 LAYOUTS = ("subdir", "model-mtp", "mtp-file", "main", "drafter", "none")
 # precision -> mlx-vlm convert arguments
 PRECISIONS: dict[str, dict] = {
@@ -80,8 +83,31 @@ def _hf_key(key: str) -> str | None:
     return None  # language_model.mtp.*: written separately
 
 
-def export_raw_hf(src: Path, out: Path, *, dtype: str = "bfloat16") -> Path:
-    """Write the MLX-layout Qwen3.5 VLM at `src` as a raw HF checkpoint (MTP in the main shard)."""
+def _hf_experts(weights: dict, experts: str) -> dict:
+    """MLX `switch_mlp.*` stacks as the Hub has them: "fused" (Qwen3.5-MoE's `experts.gate_up_proj`
+    [E, 2I, H] and `experts.down_proj` [E, H, I]) or "per-expert" (`experts.{e}.{proj}.weight`)."""
+    import mlx.core as mx
+
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts {experts!r} not in {EXPERT_LAYOUTS}")
+    out = {}
+    for key, value in weights.items():
+        base, _, rest = key.partition(".switch_mlp.")
+        if not rest:
+            out[key] = value
+        elif experts == "per-expert":
+            proj = rest.removesuffix(".weight")
+            out.update({f"{base}.experts.{e}.{proj}.weight": value[e] for e in range(value.shape[0])})
+        elif rest == "down_proj.weight":
+            out[f"{base}.experts.down_proj"] = value
+        elif rest == "gate_proj.weight":
+            out[f"{base}.experts.gate_up_proj"] = mx.concatenate([value, weights[f"{base}.switch_mlp.up_proj.weight"]], axis=-2)
+    return out
+
+
+def export_raw_hf(src: Path, out: Path, *, dtype: str = "bfloat16", experts: str = "fused") -> Path:
+    """Write the MLX-layout Qwen3.5 VLM at `src` as a raw HF checkpoint (MTP in the main shard); an MoE
+    model's experts in the `experts` layout."""
     import mlx.core as mx
 
     target = getattr(mx, dtype)
@@ -98,7 +124,7 @@ def export_raw_hf(src: Path, out: Path, *, dtype: str = "bfloat16") -> Path:
         weights[hf] = value
     for key, value in _mtp_tensors(src).items():
         weights[f"mtp.{key}"] = value - 1.0 if value.ndim == 1 and (key == "norm.weight" or key.endswith(_MTP_OFFSET_NORMS)) else value
-    weights = {k: v if k.endswith("A_log") else v.astype(target) for k, v in weights.items()}
+    weights = {k: v if k.endswith("A_log") else v.astype(target) for k, v in _hf_experts(weights, experts).items()}
 
     out.mkdir(parents=True, exist_ok=True)
     shard = "model-00001-of-00001.safetensors"
@@ -154,7 +180,7 @@ def place_mtp(model: Path, drafter: Path, layout: str) -> None:
         raise ValueError(f"layout {layout!r} not in {LAYOUTS}")
 
 
-def _staged(final: Path, build) -> Path:
+def staged(final: Path, build) -> Path:
     """Build into a sibling temp dir and rename, so a concurrent reader never sees half a checkpoint."""
     if final.exists():
         return final
@@ -183,7 +209,7 @@ def variant(root: Path, source: Path, layout: str, precision: str) -> Variant:
         raise ValueError(f"precision {precision!r} not in {sorted(PRECISIONS)}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    hf = _staged(root / "raw-hf", lambda d: export_raw_hf(Path(source), d))
+    hf = staged(root / "raw-hf", lambda d: export_raw_hf(Path(source), d))
     if layout == "main" and precision == "bf16":
         return Variant(hf, None, layout, precision)
 
@@ -191,14 +217,14 @@ def variant(root: Path, source: Path, layout: str, precision: str) -> Variant:
         d.mkdir(exist_ok=True)
         convert_with_mlx_vlm(hf, d / "model", d / "drafter", precision)
 
-    converted = _staged(root / f"converted-{precision}", convert)
+    converted = staged(root / f"converted-{precision}", convert)
     drafter = converted / "drafter"
 
     def copy(d: Path) -> None:
         shutil.copytree(converted / "model", d, dirs_exist_ok=True)
         place_mtp(d, drafter, layout)
 
-    model = converted / "model" if layout in ("drafter", "none") else _staged(root / f"{layout}-{precision}", copy)
+    model = converted / "model" if layout in ("drafter", "none") else staged(root / f"{layout}-{precision}", copy)
     return Variant(model, drafter if layout == "drafter" else None, layout, precision)
 
 

@@ -9,15 +9,21 @@ What is counted, per request (one batch row):
       one, so for a moment a layer's KV exists twice;
     - the gated-delta layers' fixed state: conv state [K-1, conv_dim] in the activation dtype and
       recurrent state [Hv, Dv, Dk] in float32 (mamba_ssm_dtype), independent of length;
-    - one decode step's working set (logits in float32 over the vocabulary for 1 + draft tokens).
+    - one decode step's working set (logits in float32 over the vocabulary for 1 + draft tokens; with
+      drafts, the verify's gated-delta state after each position, kept until it rolls back).
   transient (prefill only; `Ticket.prefill_done()` gives it back)
-    - the worst prefill chunk's working set: activations of one layer of each kind plus the
-      residual stream, the chunk's logits (mlx computes lm_head over the whole chunk before the
-      last row is sliced), the attention scores [heads, C, L] with a causal mask [C, L], which mlx's
-      sdpa fallback materializes (always on CPU; on Metal unless its fused kernel covers the head
-      dim, which is not assumed for Qwen3.5's 256 - pass fused_attention=True to drop the term),
-      and, off Metal, mlx-vlm's chunked gated-delta scan: float32 [Hv, T padded to 64, 64] blocks
-      (decay ratios, K K^T, the triangular inverse and its temporaries) plus float32 q, k, v copies.
+    - the worst prefill chunk's working set: what the chunk holds across its layers (the residual
+      stream, each gated-delta layer's conv input) plus its largest layer's working set, and the
+      chunk's logits where the path computes them (mlx-vlm's: lm_head over the whole chunk before
+      the last row is sliced). An attention layer counts its scores [heads, C, L] with a causal mask
+      [C, L], which mlx's sdpa fallback materializes (always on CPU; on Metal unless its fused kernel
+      covers the head dim, which is not assumed for Qwen3.5's 256 - pass fused_attention=True to drop
+      the term); a gated-delta layer, off Metal, mlx-vlm's chunked scan (float32 [Hv, T padded to 64,
+      64] blocks: decay ratios, K K^T, the triangular inverse and its temporaries, plus float32 q, k, v
+      copies), or on the text engine off the GPU, mlx-lm's recurrent state after every position.
+      An MoE layer (Qwen3.5-MoE: `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, a shared
+      expert) counts its router scores and, per token, its k experts' gathered inputs and activations
+      plus the shared expert's, in place of a dense MLP (MoE configs have no `intermediate_size`).
 With `kv_block` set (the text engine, see text_engine/footprint.py) the KV is the engine's block pool
 instead: the row's tokens in whole blocks plus the pool's slack (an eighth), and the prefill stage's
 single-sequence caches become part of the transient share, given back when the row joins the batch.
@@ -81,6 +87,16 @@ class MemoryModel:
     # The text engine's batch KV: a pool of kv_block-token blocks per row (text_engine.batch_cache
     # RaggedKVCache); 0 for mlx's own KVCache (256-token growth steps), as the mlx-vlm path holds.
     kv_block: int = 0
+    # Whether a prefill chunk computes logits over all its tokens (mlx-vlm's path does; the text
+    # engine's prefill computes none).
+    prefill_logits: bool = True
+    # Whether the prefill's recurrence keeps one layer's state after every position of a chunk alive at
+    # once (mlx-lm's per-position loop off the GPU kernels: each step's output holds its state).
+    prefill_position_states: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_model_config(
@@ -125,12 +141,14 @@ class MemoryModel:
             name = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16")
             dtype_bytes = _DTYPE_BYTES.get(name, 2)
         n_mtp = int(text.get("mtp_num_hidden_layers", 0) or 0) if include_mtp else 0
+        experts = int(text.get("num_experts", 0) or 0)
         return cls(
             num_full_attention_layers=n_full,
             num_linear_layers=n_layers - n_full,
             num_mtp_layers=n_mtp,
             hidden_size=hidden,
-            intermediate_size=int(text.get("intermediate_size", 4 * hidden)),
+            # An MoE config's dense size (absent, or a default of mlx-lm's args) sizes no layer.
+            intermediate_size=0 if experts else int(text.get("intermediate_size", 4 * hidden)),
             vocab_size=int(text["vocab_size"]),
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads", heads)),
@@ -145,6 +163,10 @@ class MemoryModel:
             draft_tokens=(1 if n_mtp else 0) if draft_tokens is None else draft_tokens,
             fused_attention=fused_attention,
             delta_scan_block=_default_scan_block() if delta_scan_block is None else delta_scan_block,
+            num_experts=experts,
+            num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0) if experts else 0,
+            moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0) if experts else 0,
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0) if experts else 0,
         )
 
     # -- per-token and fixed sizes ------------------------------------------------------------
@@ -174,39 +196,54 @@ class MemoryModel:
     def state_bytes(self) -> int:
         """Fixed recurrent state of all gated-delta layers for one request (conv + recurrent)."""
         conv = max(self.linear_conv_kernel_dim - 1, 0) * self._conv_dim * self.dtype_bytes
-        recurrent = (
-            self.linear_num_value_heads
-            * self.linear_value_head_dim
-            * self.linear_key_head_dim
-            * self.state_dtype_bytes
-        )
-        return self.num_linear_layers * (conv + recurrent)
+        return self.num_linear_layers * (conv + self.recurrent_state_bytes)
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """One gated-delta layer's recurrent state [Hv, Dv, Dk] for one request."""
+        return self.linear_num_value_heads * self.linear_value_head_dim * self.linear_key_head_dim * self.state_dtype_bytes
 
     @property
     def activation_bytes_per_token(self) -> int:
-        """Prefill activations per chunk token: the residual stream plus one layer of each kind.
+        """Activations per token of the residual stream plus one layer of each kind (a decode step's bound)."""
+        return self._stream_bytes_per_token + self._linear_bytes_per_token + self._full_bytes_per_token + self._mlp_bytes_per_token
 
-        Lazy graphs free a layer's buffers only as later ops consume them, so one layer of each
-        kind alive at once is the bound used (it matched measured peaks on the CPU backend).
-        """
-        d, f = self.dtype_bytes, _FLOAT32
-        h, hv = self.hidden_size, self.linear_num_value_heads
-        residual = 3 * h * d
-        linear = 0
-        if self.num_linear_layers:
-            linear = d * (
-                4 * self._conv_dim  # in_proj_qkv, conv input, conv output, silu
-                + 3 * self._value_dim  # z, delta-rule output, gated norm output
-                + 2 * hv  # a, b
-                + 2 * self._key_dim  # normalized q, k
-                + 2 * hv * self.linear_key_head_dim  # q, k repeated to the value heads
-                + h  # out_proj
-            ) + f * (2 * hv + 2 * self._value_dim)  # g, beta and the float32 gated norm
+    @property
+    def _stream_bytes_per_token(self) -> int:
+        """What a prefill chunk holds across its layers: the residual stream, and every gated-delta layer's
+        conv input (its cache's conv state is a slice of it, evaluated only with the chunk's caches)."""
+        return 3 * self.hidden_size * self.dtype_bytes + self.num_linear_layers * self._conv_dim * self.dtype_bytes
+
+    # Per-layer working sets below: measured on MLX's CPU backend (mlx-lm's layers, float32 and bfloat16, hidden
+    # 64-512) and rounded up; docs/design-notes.md has the numbers.
+    @property
+    def _linear_bytes_per_token(self) -> int:
+        """A gated-delta layer (its recurrent states are counted apart): the projections, conv input and
+        output, the delta rule's output and the gated norm, and the float32 gates."""
+        if not self.num_linear_layers:
+            return 0
+        d = self.dtype_bytes
+        return d * (2 * self._conv_dim + 2 * self._value_dim + self.hidden_size) + _FLOAT32 * 2 * self.linear_num_value_heads
+
+    @property
+    def _full_bytes_per_token(self) -> int:
+        """A full-attention layer per chunk token (the scores, and K/V repeated to the query heads, apart)."""
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        full = d * (2 * q + 2 * kv + q + kv + 2 * q + h)  # q+gate, k, v, normed/roped, out, gate, o_proj
-        mlp = d * (3 * self.intermediate_size + h)
-        return residual + linear + full + mlp
+        return self.dtype_bytes * (9 * q + 3 * kv + self.hidden_size)
+
+    @property
+    def _mlp_bytes_per_token(self) -> int:
+        d, h = self.dtype_bytes, self.hidden_size
+        if not self.num_experts:
+            return d * (2 * self.intermediate_size + 2 * h)
+        e, k = self.num_experts, self.num_experts_per_tok
+        # mlx-lm's SwitchGLU: the token's input gathered for each of its k experts, their up, gate and
+        # activation, and their down outputs before the weighted sum; the shared expert beside them; the
+        # router's logits and softmax, and int32 indices (argpartition's and the sort's).
+        routed = k * (2 * self.moe_intermediate_size + 3 * h)
+        shared = 2 * self.shared_expert_intermediate_size + 3 * h
+        return d * (routed + shared + 2 * e) + 4 * (e + 3 * k)
 
     # -- sizes that depend on length --------------------------------------------------------
 
@@ -240,20 +277,31 @@ class MemoryModel:
         if not self.fused_attention and self.num_full_attention_layers:
             # softmax and the mask's where() donate the scores buffer, so one copy plus a bool mask
             scores = self.num_attention_heads * c * ctx * self.dtype_bytes + c * ctx
-        logits = c * self.vocab_size * self.dtype_bytes
-        return c * self.activation_bytes_per_token + scores + logits + self._delta_scan_bytes(c)
+        logits = c * self.vocab_size * self.dtype_bytes if self.prefill_logits else 0
+        # Layers run one after another: the largest layer's working set on top of what the chunk holds throughout.
+        linear = 0
+        if self.num_linear_layers:
+            states = self.recurrent_state_bytes if self.prefill_position_states else 0
+            linear = c * (self._linear_bytes_per_token + states) + self._delta_scan_bytes(c)
+        full = 0
+        if self.num_full_attention_layers:
+            full = c * self._full_bytes_per_token + 2 * ctx * self.num_attention_heads * self.head_dim * self.dtype_bytes + scores
+        layer = max(linear, full, c * self._mlp_bytes_per_token)
+        return c * self._stream_bytes_per_token + layer + logits
 
     def _delta_scan_bytes(self, chunk_tokens: int) -> int:
         blk = self.delta_scan_block
         if not blk or not self.num_linear_layers or chunk_tokens <= 1:
             return 0
         padded = -(-chunk_tokens // blk) * blk
-        per_token = 10 * blk + 2 * (2 * self.linear_key_head_dim + self.linear_value_head_dim)
+        per_token = 10 * blk + 5 * (2 * self.linear_key_head_dim + self.linear_value_head_dim)
         return self.linear_num_value_heads * padded * per_token * _FLOAT32
 
     def decode_working_set(self) -> int:
         tokens = 1 + self.draft_tokens
-        return tokens * (self.vocab_size * _FLOAT32 + self.activation_bytes_per_token)
+        # A verify of drafts keeps every gated-delta layer's state after each position until it rolls back.
+        captured = tokens * self.num_linear_layers * self.recurrent_state_bytes if self.draft_tokens else 0
+        return tokens * (self.vocab_size * _FLOAT32 + self.activation_bytes_per_token) + captured
 
     # -- the projection -------------------------------------------------------------------
 
@@ -278,7 +326,9 @@ class MemoryModel:
             persistent += self.pooled_kv_tokens(prompt_tokens, max_tokens) * self.kv_bytes_per_layer_token
         prefill_cap = self.kv_capacity_tokens(prompt_tokens, 0) if prompt_tokens > 1 else 0
         transient = prefill_cap * (self.kv_bytes_per_token + self.kv_bytes_per_layer_token)
-        transient += self._worst_prefill_working_set(prompt_tokens)
+        # The prefill's working set is gone before the row's batch share is allocated (at the join, beside the
+        # prefill caches): only what it needs past that share is counted on top.
+        transient += max(self._worst_prefill_working_set(prompt_tokens) - persistent, 0)
         return Projection(persistent, transient)
 
     def _worst_prefill_working_set(self, prompt_tokens: int) -> int:

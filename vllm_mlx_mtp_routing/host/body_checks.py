@@ -43,6 +43,15 @@ def check(path: str, body: dict[str, Any]) -> None:
         _responses_input(body.get("input"))
 
 
+def drop_nulls(path: str, body: dict[str, Any]) -> bool:
+    """Top-level ``null`` fields of a token count removed (whether any were): the host's count reads them with
+    ``body.get(key, default)``, which keeps an explicit null, and iterates it (``"tools": null`` was a 500)."""
+    nulls = [key for key, value in body.items() if value is None] if path == COUNT_TOKENS else []
+    for key in nulls:
+        del body[key]
+    return bool(nulls)
+
+
 def _reject(message: str) -> NoReturn:
     raise RequestRejected(400, message)
 

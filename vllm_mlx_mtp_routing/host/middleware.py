@@ -47,6 +47,11 @@ class PluginRequestMiddleware:
         """The body is read and checked first: its JSON is kept for the hooks, OpenAI aliases the host
         lacks are filled in, and a request for n > 1 choices runs as n copies (choices.py)."""
         path = scope["path"]
+        coding = ctx.headers.get("content-encoding", "").strip().lower()
+        if coding not in ("", "identity"):  # neither uvicorn nor the host decompresses a body: it would read as junk
+            await _refuse(scope, send, RequestRejected(
+                415, f"Content-Encoding {coding!r} is not supported: request bodies are read as sent; send the JSON uncompressed"))
+            return
         raw = await request_body.read(receive)
         try:
             body = request_body.parse(raw)
@@ -56,7 +61,7 @@ class PluginRequestMiddleware:
         except RequestRejected as exc:
             await _refuse(scope, send, exc)
             return
-        changed = body is not None and request_body.drop_null_stream(body)
+        changed = body is not None and (request_body.drop_null_stream(body) | body_checks.drop_nulls(path, body))
         if body is not None and path in GENERATION_PATHS and request_body.fill_aliases(body):
             changed = True
         if changed:

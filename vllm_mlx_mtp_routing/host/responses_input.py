@@ -110,11 +110,31 @@ def media_in_messages(server: Any, original: Callable[..., Any]) -> Callable[...
     return prepare
 
 
+def refusing_invalid(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The host's Responses-to-chat conversion, with what its chat request model refuses (a tool's function name,
+    say) a 400 naming the field: the Responses request model lets it through, and the host answered 500."""
+
+    @functools.wraps(original)
+    def to_chat_request(request: Any) -> Any:
+        from pydantic import ValidationError
+
+        try:
+            return original(request)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            _reject("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors[:3])
+                    + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
+            raise
+
+    return to_chat_request
+
+
 def install(server: Any) -> None:
-    """Replace the host's converter and preparation (vllm-mlx 0.6.0; the Responses handler looks both
-    up at call time)."""
+    """Replace the host's converters and preparation (vllm-mlx 0.6.0; the Responses handler looks them up at
+    call time)."""
     if getattr(server, "_responses_media_installed", False):
         return
     server._responses_media_installed = True
     server._responses_input_to_chat_messages = with_media(server._responses_input_to_chat_messages)
     server._prepare_responses_request = media_in_messages(server, server._prepare_responses_request)
+    server._responses_request_to_chat_request = refusing_invalid(server._responses_request_to_chat_request)

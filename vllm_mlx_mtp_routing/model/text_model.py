@@ -53,6 +53,7 @@ from .checkpoint_layouts import (
     read_drafter_folder,
 )
 from .kernels import swaps
+from .kernels.cpu_experts import use_float32_experts
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
 
@@ -160,6 +161,12 @@ def _build_backbone(lm: Any, text_config: dict) -> tuple[TextModel, int]:
     # stream of the thread that recorded it.
     mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
     return model, assert_zero_copy(lm, model)
+
+
+def _expert_dtype(model: nn.Module) -> str:
+    dtypes = {str(m["weight"].dtype).removeprefix("mlx.core.") for _, m in model.named_modules()
+              if type(m).__name__.endswith("SwitchLinear") and "weight" in m}
+    return "/".join(sorted(dtypes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,6 +406,15 @@ def build_text_model(
     if swapped.fused_recurrence:
         logger.info("TextModel: %d gated-delta layers run the fused CUDA recurrence (one launch per call)",
                     swapped.fused_recurrence)
+    if swapped.float32_experts:
+        # The VLM's own layers too: the host's path (media requests) runs them.
+        vlm_experts = use_float32_experts(lm)
+        logger.warning(
+            "TextModel: %d MoE expert projections (and the VLM's %d) hold %s weights, and MLX's CPU backend multiplies "
+            "experts (GatherMM) in float32 only: they run in float32 per call (slower); a float32 or quantized "
+            "conversion avoids it (`python -m mlx_vlm.convert --hf-path ... --dtype float32`, or `-q`)",
+            swapped.float32_experts, vlm_experts, _expert_dtype(model),
+        )
     if swapped.skinny_matmul:
         logger.info("TextModel: %d linear layers run the few-row CUDA matmul at 2-8 rows", swapped.skinny_matmul)
     extra = mx.get_active_memory() - before

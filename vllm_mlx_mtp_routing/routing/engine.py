@@ -340,18 +340,18 @@ class RoutingEngine(EngineDecorator):
         return ids, marks, None
 
     async def _text_prompt(self, text: TextPath, call: _Call) -> tuple[list[int], Marks]:
-        tokenizer = self._attached().tokenizer
+        tokenizer, context = self._attached().tokenizer, self._attached().context_tokens
         if not call.chat:
             prompt = call.prompt or ""
-            ids = prepare_raw(tokenizer, prompt) if text.prompts is None else await text.prompts.raw(prompt)
+            ids = prepare_raw(tokenizer, prompt, context) if text.prompts is None else await text.prompts.raw(prompt, context)
             # The host's --warm-prompts start-up sends each system prefix as a raw prompt.
             return ids, [(len(ids) - 1, "system")] if prompt in text.warm_prefixes else []
         render = lambda m: self._render(m, call.options)  # noqa: E731
         messages = call.messages or []
         positions = text.engine.prefix_cache is not None
         if text.prompts is None:
-            return prepare_chat(tokenizer, render, messages, positions=positions)
-        return await text.prompts.chat(render, messages, positions=positions)
+            return prepare_chat(tokenizer, render, messages, positions=positions, context_tokens=context)
+        return await text.prompts.chat(render, messages, positions=positions, context_tokens=context)
 
     def _fit_context(self, prompt_tokens: int, options: dict[str, Any]) -> None:
         """400 before any prefill when the prompt alone cannot fit the model's context; a max_tokens that overflows it

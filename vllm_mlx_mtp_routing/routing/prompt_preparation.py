@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..plugin_api.errors import RequestRejected
 from ..prefix_cache.boundaries import snapshot_positions
 from ..prefix_cache.shared_tokens import SharedTokens
 
@@ -29,11 +30,42 @@ logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 Marks = list[tuple[int, str]]
 
 
+# A prompt of at most this many characters per context token is tokenized at once; a longer one is first counted
+# in slices, up to the context (real text averages 3-5 characters a token).
+CHARS_PER_TOKEN_UNCOUNTED = 8
+SLICE_CHARS = 1 << 16
+
+
+def check_length(tokenizer: Any, prompt: str, context_tokens: int | None) -> None:
+    """RequestRejected(400) for a prompt past the model's context, found by counting its tokens slice by slice and
+    stopping there: tokenizing a body of tens of megabytes whole takes minutes and gigabytes (a 50 MB one: 26M
+    tokens, 64 s and 11.7 GB in a Hugging Face fast tokenizer) only to be refused. Slices end at whitespace, where
+    the tokenizers' pre-tokenizers split anyway."""
+    if not context_tokens or len(prompt) <= CHARS_PER_TOKEN_UNCOUNTED * context_tokens:
+        return
+    counted = start = 0
+    while start < len(prompt):
+        end = min(start + SLICE_CHARS, len(prompt))
+        if end < len(prompt):
+            cut = max(prompt.rfind(" ", start, end), prompt.rfind("\n", start, end))
+            end = cut if cut > start else end
+        counted += len(tokenizer.encode(prompt[start:end], add_special_tokens=False))
+        start = end
+        if counted > context_tokens + start // SLICE_CHARS + 1:  # past any error a cut can make
+            raise RequestRejected(
+                400, f"prompt is at least {counted} tokens ({len(prompt)} characters); the model's context is "
+                f"{context_tokens} tokens (prompt + max_tokens must fit)",
+            )
+
+
 def prepare_chat(
-    tokenizer: Any, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool
+    tokenizer: Any, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool,
+    context_tokens: int | None = None,
 ) -> tuple[list[int], Marks]:
-    """The prompt's tokens and, with ``positions``, where it is worth a prefix-cache snapshot."""
+    """The prompt's tokens and, with ``positions``, where it is worth a prefix-cache snapshot; RequestRejected(400)
+    for a prompt far past ``context_tokens`` (``check_length``)."""
     prompt = render(messages)
+    check_length(tokenizer, prompt, context_tokens)
     encoding = tokenizer(prompt, add_special_tokens=False)
     ids = list(encoding["input_ids"])
     if not positions:
@@ -46,7 +78,8 @@ def prepare_chat(
     return ids, snapshot_positions(render, encode, messages, prompt, ids, shared_tokens=shared)
 
 
-def prepare_raw(tokenizer: Any, prompt: str) -> list[int]:
+def prepare_raw(tokenizer: Any, prompt: str, context_tokens: int | None = None) -> list[int]:
+    check_length(tokenizer, prompt, context_tokens)
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
@@ -72,16 +105,17 @@ class PromptPreparer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, self.tokenizer, *args, **kwargs))
 
     async def chat(
-        self, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool
+        self, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool,
+        context_tokens: int | None = None,
     ) -> tuple[list[int], Marks]:
-        return await self._run(prepare_chat, render, messages, positions=positions)
+        return await self._run(prepare_chat, render, messages, positions=positions, context_tokens=context_tokens)
 
     async def media(self, prepare: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``prepare(processor, *args, **kwargs)`` on the worker, with its copy of the processor."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(prepare, self.processor, *args, **kwargs))
 
-    async def raw(self, prompt: str) -> list[int]:
-        return await self._run(prepare_raw, prompt)
+    async def raw(self, prompt: str, context_tokens: int | None = None) -> list[int]:
+        return await self._run(prepare_raw, prompt, context_tokens)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -113,6 +113,12 @@ def _top_logprobs(v: Any) -> None:
     _in_range("top_logprobs", n, 0 <= n <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
 
 
+def _timeout(v: Any) -> None:
+    # vllm-mlx 0.6.0's per-request timeout (0: the server's --timeout): a negative one timed out at once, a 504
+    x = _number("timeout", v)
+    _in_range("timeout", x, x >= 0, ">= 0 (seconds; 0: the server's --timeout)")
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "seed": _seed,
     "temperature": _temperature,
@@ -129,6 +135,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "stop_sequences": _stop("stop_sequences"),
     "top_logprobs": _top_logprobs,
     "cache_salt": _cache_salt,
+    "timeout": _timeout,
 }
 
 
@@ -220,18 +227,49 @@ def _data_url(part: Any) -> str | None:
     return None
 
 
+def _image_ref(part: Any) -> str | None:
+    """An image part's URL (chat ``image_url``, Responses ``input_image``, an Anthropic ``url`` source)."""
+    if not isinstance(part, dict):
+        return None
+    for key in ("image_url", "input_image"):
+        value = part.get(key)
+        url = value.get("url") if isinstance(value, dict) else value
+        if isinstance(url, str):
+            return url
+    source = part.get("source")
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    return None
+
+
+def _inline_url(part: Any, where: str) -> str | None:
+    """The part's image as a data URL to check, or None (none, or a remote URL the host fetches); RequestRejected
+    for one the host's media path cannot read (vllm-mlx 0.6.0 takes http(s) URLs, data:image URLs and raw base64
+    of over 100 characters, and answers anything else with a 500)."""
+    url = _data_url(part)
+    if url is not None:
+        return url
+    ref = _image_ref(part)
+    if ref is None or ref.startswith(("http://", "https://")):
+        return None
+    if len(ref) > 100 and not ref.startswith("/"):
+        return f"data:image;base64,{ref}"  # what the host takes it for
+    raise RequestRejected(400, f"{where}: an image must be an http(s) URL or a data:image/...;base64 URL, got {ref[:40]!r}")
+
+
 def validate_inline_images(messages: Any) -> None:
-    """400 for an inline (data: URL or base64 block) image that does not decode, before the host's
-    media path turns it into a 500. Remote URLs are the host's to fetch."""
+    """400 for an inline (data: URL or base64 block) image that does not decode, or an image reference that is
+    neither a URL nor inline data, before the host's media path turns it into a 500. Remote URLs are the host's
+    to fetch."""
     if not isinstance(messages, list):
         return
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
-            url = _data_url(part)
+            where = f"messages[{i}].content[{j}]"
+            url = _inline_url(part, where)
             if url is None:
                 continue
-            where = f"messages[{i}].content[{j}]"
             header, _, data = url.partition(",")
             if not header.endswith(";base64"):
                 continue  # a percent-encoded data URL: rare for images, left to the host

@@ -125,6 +125,23 @@ def _store(path: Path, key: str, entry: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
+_UNMEASURED = "not measured: the model's forward failed"
+
+
+def _measured(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int) -> PrefillBudget:
+    """``calibrate``'s budget; where the model cannot run a forward on this device, one line saying so and the
+    fixed chunk (its requests fail as they would on the host, and the server still starts)."""
+    try:
+        return calibrate(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
+    except Exception as exc:  # noqa: BLE001 - whatever the device refuses, said in one line instead of a traceback
+        logger.error(
+            "mtp-routing: the text model's forward fails on this device (%s: %s): text requests will fail with it; "
+            "the prefill chunk stays --prefill-step-size %d (no calibration)",
+            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", max_chunk,
+        )
+        return PrefillBudget(max_chunk, max_chunk, 0.0, 0.0, 0.0, 0.0, 0.0, stored_at=_UNMEASURED)
+
+
 def calibrated(
     model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int, path: Path | None, remeasure: bool = False,
     weights: str | None = None,
@@ -132,7 +149,7 @@ def calibrated(
     """The stored calibration for this model, device and settings, else ``calibrate``'s, stored in ``path``
     (None: measured, not stored). ``weights``: the model's fingerprint (computed here when not given)."""
     if path is None or ratio <= 0 or max_chunk <= MIN_CHUNK:  # nothing stored, or nothing to measure
-        return calibrate(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
+        return _measured(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
     if weights is None:
         from ..model.weights_fingerprint import fingerprint
 
@@ -145,7 +162,9 @@ def calibrated(
             budget.chunk_tokens, budget.stored_at, budget.decode_step_s * 1e3, path,
         )
         return budget
-    budget = calibrate(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
+    budget = _measured(model, max_chunk=max_chunk, ratio=ratio, vocab_size=vocab_size)
+    if budget.stored_at == _UNMEASURED:
+        return budget
     entry = {"budget": {k: v for k, v in asdict(budget).items() if k != "stored_at"},
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:

@@ -10,6 +10,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..admission.memory_model import MemoryModel
+from ..model.kernels.device import on_gpu
 from .batch_cache import RaggedKVCache
 
 
@@ -29,5 +30,6 @@ def engine_memory_model(model: nn.Module, *, prefill_step_size: int, head_layers
         prefill_step_size=prefill_step_size,
         include_mtp=head_layers > 0,
         draft_tokens=draft_tokens,
+        delta_scan_block=0,  # mlx-lm's recurrence, not mlx-vlm's chunked scan
     )
-    return dataclasses.replace(mm, kv_block=RaggedKVCache.block)
+    return dataclasses.replace(mm, kv_block=RaggedKVCache.block, prefill_logits=False, prefill_position_states=not on_gpu())

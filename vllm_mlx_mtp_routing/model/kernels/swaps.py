@@ -6,6 +6,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
 - ``nn.Linear`` -> ``skinny_matmul.SkinnyLinear``: the few-row matmul. CUDA only; quantized layers keep theirs.
 - ``Attention`` -> ``grouped_attention.GroupedAttention``: a ragged batch's attention split by row length. Every
   device.
+- mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
+  float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
 """
 
@@ -17,6 +19,7 @@ import mlx.nn as nn
 
 from ..backbone import FusedGatedDeltaNet
 from ..mlx_lm_internals import Attention, GatedDeltaNet
+from .cpu_experts import use_float32_experts
 from .device import on_cuda
 from .grouped_attention import GroupedAttention
 from .skinny_matmul import SkinnyLinear
@@ -29,6 +32,7 @@ class Swapped:
     fused_recurrence: int
     grouped_attention: int
     skinny_matmul: int
+    float32_experts: int = 0
 
 
 def use_fused_recurrence(model: nn.Module) -> int:
@@ -74,4 +78,5 @@ def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
     fused = use_fused_recurrence(model)
     grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
-    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny)
+    experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
+    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts)
