@@ -33,22 +33,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the test support package: support.*
+sys.path.insert(0, str(REPO / "benchmarks"))  # lib.*
+
+from lib.prompts import long_prompt  # noqa: E402
 
 from support.server import serve  # noqa: E402
-
-
-def long_prompt(model: Path, tokens: int) -> str:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-             "upsilon phi chi psi omega def class return import while for if else yield").split()
-    text, ids, i = "", [], 0
-    while len(ids) < tokens:
-        text += " ".join(words[(i * 7 + j) % len(words)] for j in range(200)) + f" {i}\n"
-        ids = tok.encode(text, add_special_tokens=False)
-        i += 1
-    return tok.decode(ids[: tokens - 24])  # room for the tag and the chat template's own tokens
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,7 +80,7 @@ def main() -> None:
         for server in servers.values():  # first-use costs out of the way
             ask(server.url, server.model, "warm up", args.timeout, server.proc.pid)
         for tokens in args.prompt_tokens:
-            prompt = long_prompt(args.model, tokens)
+            prompt = long_prompt(args.model, tokens, room=24)  # room for the tag too
             rounds = []
             for k in range(args.rounds):
                 order = list(servers) if k % 2 == 0 else list(reversed(servers))
