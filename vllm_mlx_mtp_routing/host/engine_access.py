@@ -14,7 +14,7 @@ logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
 __all__ = [
     "GenerationOutput", "attach_logit_bias", "clean_output_text", "disable_mllm_mtp", "host_mtp_drafter", "load_image",
-    "media_references", "processor", "processor_inputs", "render_chat_prompt", "render_media_chat_prompt",
+    "media_references", "processor", "processor_inputs", "render_chat_prompt",
     "scheduler_setting", "specprefill_outcome", "tokens_per_media_item",
 ]
 
@@ -64,22 +64,9 @@ def attach_logit_bias(options: dict[str, Any], logit_bias: Any) -> None:
         server._attach_logit_bias_processor(options, logit_bias)
 
 
-def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
-    """The exact prompt the host would render for a text-only chat, so both paths see the same tokens."""
-    tools = options.get("tools")
-    return engine._apply_chat_template(
-        messages,
-        convert_tools_for_template(tools) if tools else None,
-        num_images=0,
-        num_audios=0,
-        chat_template_kwargs=dict(options.get("chat_template_kwargs") or {}),
-        enable_thinking=options.get("enable_thinking"),
-    )
-
-
-def render_media_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any], images: int) -> str:
-    """The prompt the host renders for a chat with images (its ``_apply_chat_template`` turns each ``image_url`` part
-    into the processor's image placeholder)."""
+def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any], images: int = 0) -> str:
+    """The exact prompt the host would render for a chat, so both paths see the same tokens; with ``images``, its
+    ``_apply_chat_template`` turns each ``image_url`` part into the processor's image placeholder."""
     tools = options.get("tools")
     return engine._apply_chat_template(
         messages,

@@ -2,8 +2,8 @@
 
 A Qwen3.5 VLM places an image's tokens on a 2-D grid of (temporal, height, width) positions: its attention rotates
 each token by three position components, one per frequency section (M-RoPE). The TextModel's attention is mlx-lm's,
-with one position per token. Here its attention layers are called with the VLM's own rotary module of the same layer
-(``apply_rotary`` of mlx-vlm's ``MRoPERotaryEmbedding``), so the rotation is exactly the VLM's; projections, norms, the
+with one position per token. Here its attention layers are called (``rotated_layer``) with the VLM's own rotary
+module of the same layer (``apply_rotary`` of mlx-vlm's ``MRoPERotaryEmbedding``), so the rotation is exactly the VLM's; projections, norms, the
 gate and the KV cache are the TextModel's, which shares its weights with the VLM. The gated-delta layers have no
 positions. The keys land in the row's own single-sequence ``KVCache``, as a text prefill's do, so after the prompt the
 row decodes in the text batch with one position per token, shifted by the prompt's M-RoPE delta (text tokens after
@@ -12,28 +12,15 @@ the media sit at equal (t, h, w), where M-RoPE is plain RoPE).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .mlx_lm_internals import create_attention_mask, create_ssm_mask, scaled_dot_product_attention, ssm_cache_index
-
-
-def mrope_attention(attn: nn.Module, rotary: Any, x: mx.array, position_ids: mx.array, cache: Any) -> mx.array:
-    """mlx-lm's gated attention (q/k norms, sigmoid gate) over x [1, L, D], rotated at ``position_ids`` [3, 1, L]."""
-    B, L, _ = x.shape
-    q, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, L, -1)
-    q = attn.q_norm(q).transpose(0, 2, 1, 3)
-    k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-    v = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-    q, k = rotary.apply_rotary(q, k, position_ids, unsqueeze_dim=1)
-    mask = create_attention_mask(x, cache)
-    k, v = cache.update_and_fetch(k, v)
-    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
+from .mlx_lm_internals import create_ssm_mask, ssm_cache_index
+from .rotated_attention import rotated_layer
 
 
 def rotaries_of(vlm_language_model: Any) -> list[Any]:
@@ -54,9 +41,8 @@ def media_forward(
     for layer, rotary, c in zip(inner.layers, rotaries, cache):
         if layer.is_linear:
             h = layer(h, mask=ssm_mask, cache=c)
-            continue
-        h = h + mrope_attention(layer.self_attn, rotary, layer.input_layernorm(h), position_ids, c)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        else:  # the VLM's own rotary module of this layer, at its M-RoPE positions
+            h = rotated_layer(layer, h, c, functools.partial(rotary.apply_rotary, position_ids=position_ids, unsqueeze_dim=1))
     return h if hidden_state_mode == "pre_norm" else inner.norm(h)
 
 
@@ -85,8 +71,3 @@ class VisionParts:
         grid = mx.array([list(g) for g in grid_thw], dtype=mx.int32)
         position_ids, delta = self.language_model.get_rope_index(ids, grid, None, None)
         return position_ids, int(mx.array(delta).reshape(-1).astype(mx.int32).max().item())  # type: ignore[arg-type]
-
-    def tokens_of(self, grid_thw: tuple[int, int, int]) -> int:
-        """The prompt tokens one image of this grid takes."""
-        t, h, w = grid_thw
-        return t * h * w // (self.merge * self.merge)

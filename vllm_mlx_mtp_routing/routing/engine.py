@@ -307,15 +307,9 @@ class RoutingEngine(EngineDecorator):
                 self.fallbacks.ignored("seed")
         return text if route != "fallback" else None
 
-    def _render(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
+    def _render(self, messages: list[dict[str, Any]], options: dict[str, Any], images: int = 0) -> str:
         try:
-            return host.render_chat_prompt(self.wrapped, messages, options)
-        except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
-            raise RequestRejected(400, f"chat template error: {exc}") from exc
-
-    def _render_media(self, messages: list[dict[str, Any]], options: dict[str, Any], images: int) -> str:
-        try:
-            return host.render_media_chat_prompt(self.wrapped, messages, options, images)
+            return host.render_chat_prompt(self.wrapped, messages, options, images)
         except Exception as exc:  # a template's own error is the client's to fix: 400, not 500
             raise RequestRejected(400, f"chat template error: {exc}") from exc
 
@@ -323,7 +317,7 @@ class RoutingEngine(EngineDecorator):
         """A chat with images: its tokens (each image expanded) and its images, prepared off the event loop."""
         vision = text.vision
         assert vision is not None  # _route sends media here only with the vision parts
-        render = lambda m, n: self._render_media(m, call.options, n)  # noqa: E731
+        render = lambda m, n: self._render(m, call.options, n)  # noqa: E731
         kwargs: dict[str, Any] = {
             "image_token_id": vision.image_token_id, "merge": vision.merge, "positions": text.engine.prefix_cache is not None,
         }

@@ -102,20 +102,20 @@ class PromptPreparer:
 
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # A request cancelled while waiting leaves the worker to finish and drop the result.
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, self.tokenizer, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def chat(
         self, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool,
         context_tokens: int | None = None,
     ) -> tuple[list[int], Marks]:
-        return await self._run(prepare_chat, render, messages, positions=positions, context_tokens=context_tokens)
+        return await self._run(prepare_chat, self.tokenizer, render, messages, positions=positions, context_tokens=context_tokens)
 
     async def media(self, prepare: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``prepare(processor, *args, **kwargs)`` on the worker, with its copy of the processor."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(prepare, self.processor, *args, **kwargs))
+        return await self._run(prepare, self.processor, *args, **kwargs)
 
     async def raw(self, prompt: str, context_tokens: int | None = None) -> list[int]:
-        return await self._run(prepare_raw, prompt, context_tokens)
+        return await self._run(prepare_raw, self.tokenizer, prompt, context_tokens)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

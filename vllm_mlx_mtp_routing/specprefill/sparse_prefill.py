@@ -2,7 +2,7 @@
 
 mlx-lm's attention rotates a forward's tokens at consecutive positions from its cache's offset, so
 kept tokens from several chunks in one forward would be rotated wrongly. Here the Qwen3.5 decoder
-stack runs with its attention layers called through ``positioned_attention``: the module's own
+stack runs with its attention layers called through ``rotated_layer`` (model/rotated_attention.py): the module's own
 projections, norms and RoPE, the RoPE applied with one offset per token (``mx.fast.rope`` takes a
 per-batch offset vector; the tokens are laid out as its batch), and the keys appended to the row's
 own single-sequence ``KVCache``. The gated-delta layers have no positions and see the kept tokens
@@ -23,7 +23,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..model.mlx_lm_internals import create_attention_mask, create_ssm_mask, scaled_dot_product_attention, ssm_cache_index
+from ..model.mlx_lm_internals import create_ssm_mask, ssm_cache_index
+from ..model.rotated_attention import rotated_layer
 from ..text_engine.state import PrefillState
 
 
@@ -33,25 +34,9 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     return y[:, :, 0, :].transpose(1, 0, 2)[None]
 
 
-def positioned_attention(attn: nn.Module, x: mx.array, positions: mx.array, cache: Any) -> mx.array:
-    """mlx-lm's ``Qwen3NextAttention.__call__`` (gated, q/k norms) with per-token positions."""
-    B, L, _ = x.shape
-    q, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, L, -1)
-    k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-    v = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-    q = rope_at(attn.rope, attn.q_norm(q).transpose(0, 2, 1, 3), positions)
-    k = rope_at(attn.rope, k, positions)
-    # The keys held are the kept tokens in position order, so "causal" over them is the right mask.
-    mask = create_attention_mask(x, cache)
-    k, v = cache.update_and_fetch(k, v)
-    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
-
-
 def _attention_layer(layer: nn.Module, h: mx.array, positions: mx.array, cache: Any) -> mx.array:
-    h = h + positioned_attention(layer.self_attn, layer.input_layernorm(h), positions, cache)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    rope = layer.self_attn.rope
+    return rotated_layer(layer, h, cache, lambda q, k: (rope_at(rope, q, positions), rope_at(rope, k, positions)))
 
 
 def positioned_forward(model: nn.Module, tokens: mx.array, positions: mx.array, cache: list[Any],

@@ -216,19 +216,19 @@ class ModelRunner:
     # -- decode --------------------------------------------------------------------------------
 
     def decode(self, plan: DecodePlan) -> DecodeResult:
-        """One decode step of the batch: its rows in ``plan.rows`` order (the batch's own)."""
+        """One decode step of the batch: its rows in ``plan.rows`` order (the batch's own), read before it returns."""
+        rows = self._rows(plan)
+        if self.spec is None:
+            return self._read(self._launch(rows, None))[1]
+        samplers = [r.sampler for r in rows]
+        x = mx.array([r.next_input for r in rows], dtype=mx.uint32)[:, None]
+        return self._speculative(plan, rows, samplers, x)
+
+    def _rows(self, plan: DecodePlan) -> list[Row]:
         rows = list(plan.rows)
         if len(rows) != len(self.batch.rows):
             raise RuntimeError(f"a plan of {len(rows)} rows for a batch of {len(self.batch.rows)}")
-        samplers = [r.sampler for r in rows]
-        x = mx.array([r.next_input for r in rows], dtype=mx.uint32)[:, None]
-        if self.spec is None:
-            logits = self.model(x, cache=self.cache.layers)[:, -1, :]
-            sampled = sample_rows(logits, samplers)
-            mx.eval(sampled, self.cache.state())
-            tokens = [[t] for t in cast("list[int]", sampled.tolist())]
-            return DecodeResult(tokens, logprobs=row_logprobs(logits[:, None], tokens, samplers))
-        return self._speculative(plan, rows, samplers, x)
+        return rows
 
     def can_decode_ahead(self, rows: Sequence[Row]) -> bool:
         """A plain step can be launched before the tokens of the one before it are read: no MTP, and no row whose
@@ -243,22 +243,22 @@ class ModelRunner:
         host's batch generator pipeline their steps the same way). The arithmetic is the serial step's, so outputs are
         the same. A row that finishes with the earlier step has its token of the new step dropped when it leaves, and
         its caches then hold its last token too (prefix_cache.plan keeps such a row's state as such)."""
-        rows = list(plan.rows)
-        if len(rows) != len(self.batch.rows):
-            raise RuntimeError(f"a plan of {len(rows)} rows for a batch of {len(self.batch.rows)}")
         before = self._launched
-        samplers = [r.sampler for r in rows]
-        x = self._inputs(rows, before)
-        logits = self.model(x, cache=self.cache.layers)[:, -1, :]
-        sampled = sample_rows(logits, samplers)
-        mx.async_eval(sampled, self.cache.state())
-        self._launched = _Launched(rows, sampled, logits, samplers)
+        self._launched = self._launch(self._rows(plan), before)
         return self._read(before) if before is not None else None
 
     def settle(self) -> tuple[list[Row], DecodeResult] | None:
         """Read the step ``decode_ahead`` launched last, launching none (before a serial step)."""
         before, self._launched = self._launched, None
         return self._read(before) if before is not None else None
+
+    def _launch(self, rows: list[Row], before: _Launched | None) -> _Launched:
+        """A plain step of ``rows`` started on the device (``mx.async_eval``), its inputs from ``before`` where given."""
+        samplers = [r.sampler for r in rows]
+        logits = self.model(self._inputs(rows, before), cache=self.cache.layers)[:, -1, :]
+        sampled = sample_rows(logits, samplers)
+        mx.async_eval(sampled, self.cache.state())
+        return _Launched(rows, sampled, logits, samplers)
 
     @staticmethod
     def _inputs(rows: list[Row], before: _Launched | None) -> mx.array:
