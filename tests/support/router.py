@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from .server import Server, free_port, run_server
+from .server import Server, free_port, run_server, stop
 
 ROUTER_VENV = Path(os.environ.get("VLLM_MLX_ROUTER_VENV", Path(__file__).resolve().parents[2] / ".venv-router"))
 SGLANG = ("sglang", [str(ROUTER_VENV / "bin" / "python"), "-m", "sglang_router.launch_router"])
@@ -80,12 +80,7 @@ def route(router: tuple[str, list[str]], workers: list[str], *flags: str, log_di
             time.sleep(0.1)
         yield router_
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 10)
 
 
 @contextlib.contextmanager

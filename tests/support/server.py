@@ -129,12 +129,17 @@ def run_server(
             _wait_ready(server, poll, ready_path, ready_line, deadline, startup_timeout)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 20)
+
+
+def stop(proc: subprocess.Popen, within: float) -> None:
+    """SIGTERM, then SIGKILL if it is still running ``within`` seconds later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_ready(server: Server, poll: httpx.Client, ready_path: str, ready_line: str | None, deadline: float,
