@@ -94,6 +94,9 @@ class BatchScheduler:
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
         # Chunks while no row decodes, where chunking is exact: (position, seconds a token of the last chunk) -> tokens.
         self.idle_chunk: Callable[[int, float], int] | None = None
+        # While rows decode, a chunk runs in pieces of layers: (position, tokens, first layer) -> the piece's end.
+        self.layer_pieces: Callable[[int, int, int], int] | None = None
+        self.layers = len(getattr(getattr(model, "model", None), "layers", ())) or 1
         self._last_chunk_rate = 0.0  # CPU seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
@@ -158,6 +161,7 @@ class BatchScheduler:
             self._drop_rows([row])
         else:
             if row in self.prefilling and row.plan is not None:
+                self.runner.rewind(row)  # a chunk stopped between layers: back to its start
                 row.plan.after_abort(row)  # a retry resumes where this prefill stopped
             (self.prefilling if row in self.prefilling else self.waiting).remove(row)
             if row.req.share is not None:
@@ -251,13 +255,24 @@ class BatchScheduler:
         job = row.sparse if row.sparse is not None and row.sparse.ready() else None
         if job is not None:
             return SparsePiece(row, job, job.next_cost())
-        chunk = PrefillChunk(row, row.prefilled, row.prefilled + self._chunk_len(row))
+        partial = row.prefill.partial if row.prefill is not None else None
+        if partial is not None:  # the chunk under way goes on from the layer it stopped at
+            return self._piece(row, partial.start, partial.end, partial.next_layer)
+        start, end = row.prefilled, row.prefilled + self._chunk_len(row)
         media = row.req.media
-        image = media.unencoded(chunk.start, chunk.end) if media is not None else None
+        image = media.unencoded(start, end) if media is not None else None
         if media is not None and image is not None:  # its vision features first, one image per item
-            start, end = media.spans[image]
-            return MediaEncode(row, image, end - start)
-        return chunk
+            s, e = media.spans[image]
+            return MediaEncode(row, image, e - s)
+        return self._piece(row, start, end, 0)
+
+    def _piece(self, row: Row, start: int, end: int, first: int) -> PrefillChunk:
+        """While rows decode, as many of the chunk's layers as its stall bound allows; otherwise the rest of it."""
+        last = None
+        if self.layer_pieces is not None and self.running:
+            stop = self.layer_pieces(start, end - start, first)
+            last = None if stop >= self.layers else stop
+        return PrefillChunk(row, start, end, first, last, self.layers)
 
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
@@ -278,10 +293,10 @@ class BatchScheduler:
     def _after_work(self, work: PrefillWork) -> None:
         if isinstance(work, MediaEncode):
             self.images_encoded += 1
-        elif isinstance(work, PrefillChunk):
-            self.prompt_tokens += work.tokens
+        elif isinstance(work, PrefillChunk) and work.completes:
+            self.prompt_tokens += work.positions
             if work.row.plan is not None:  # a snapshot where the plan wants one
-                work.row.plan.after_chunk(work.row, work.tokens)
+                work.row.plan.after_chunk(work.row, work.positions)
 
     def _fail_prefill(self, row: Row, error: BaseException) -> TextOutput:
         self.prefilling.remove(row)
