@@ -69,15 +69,25 @@ def test_a_piece_that_does_not_continue_the_chunk_under_way_fails_its_row(tiny) 
     assert isinstance(done.error, RuntimeError)
 
 
-def _pieces(pos: int, tokens: int, first: int) -> int:
-    return first + 1 + (first + tokens) % 2  # pieces of one or two layers
+class _Pieces:
+    """Pieces of one or two layers; projected at a second each, so every measured piece reads as faster."""
+
+    def __init__(self, one: bool = False) -> None:
+        self.one, self.scales = one, []
+
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
+        self.scales.append(scale)
+        return first + 1 + (0 if self.one else (first + tokens) % 2)
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float:
+        return float(end - first)
 
 
 def _schedule(model, tok, jobs, *, pieces: bool, decode=None, cache=None, steps_seen=None):
     sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=256, decode=decode, prefix_cache=cache)
     sched.chunk_grid = ChunkGrid(lambda p: GRID)
     sched.prefill_time_s = (1e-9, 1e-9)  # one item per step
-    sched.layer_pieces = _pieces if pieces else None
+    sched.layer_pieces = _Pieces() if pieces else None
     if steps_seen is not None:
         real = sched.runner.prefill
 
@@ -122,7 +132,7 @@ def test_an_abort_between_pieces_keeps_no_torn_snapshot_and_a_retry_equals_a_col
     sched = BatchScheduler(bundle.model, tok, max_num_seqs=4, prefill_step_size=256, prefix_cache=cache)
     sched.chunk_grid = ChunkGrid(lambda p: GRID)
     sched.prefill_time_s = (1e-9, 1e-9)
-    sched.layer_pieces = _pieces
+    sched.layer_pieces = _Pieces()
     sched.add(TextRequest("a", runner_up, SamplingOptions(max_tokens=200)))
     sched.step()
     sched.add(TextRequest("b", long, SamplingOptions(max_tokens=6)))
@@ -160,6 +170,8 @@ def test_the_grid_grows_to_the_step_size_where_a_layer_fits_and_pieces_stay_with
             end = slow.piece_end(p, n, first)
             costs = slow.layer_s(n, p)[first:end]
             assert end > first and (len(costs) == 1 or sum(costs) <= slow.chunk_limit_s)
+            assert slow.piece_s(p, n, first, end) == pytest.approx(sum(costs))
+            assert slow.piece_end(p, n, first, scale=100.0) == first + 1  # pieces measured far slower: one layer
             first = end
     assert slow.grid_chunk_at(16384) > 3 * slow.chunk_at(16384)  # deep in a prompt: the attention layers bound it
 
@@ -173,3 +185,18 @@ def test_calibration_records_the_layers(tiny_text) -> None:
     sched = BatchScheduler(model, tok, max_num_seqs=2, prefill_step_size=256)
     budget.apply(sched)
     assert sched.layer_pieces is not None and sched.chunk_grid.next_end(0) == budget.grid_chunk_at(0)
+
+
+def test_pieces_measured_slower_than_projected_shrink(tiny) -> None:
+    bundle, tok = tiny
+    rng = np.random.default_rng(8)
+    pieces = _Pieces()
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=4, prefill_step_size=256)
+    sched.chunk_grid = ChunkGrid(lambda p: GRID)
+    sched.prefill_time_s = (1e-9, 1e-9)
+    sched.layer_pieces = pieces
+    sched.add(TextRequest("a", rng.integers(10, 3000, size=7).tolist(), SamplingOptions(max_tokens=40)))
+    sched.add(TextRequest("b", rng.integers(10, 3000, size=150).tolist(), SamplingOptions(max_tokens=2)))
+    while sched.has_work():
+        sched.step()
+    assert pieces.scales[0] == 1.0 and min(pieces.scales[1:]) < 0.6  # a piece takes far less than its projected second

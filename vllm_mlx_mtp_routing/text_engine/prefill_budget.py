@@ -143,15 +143,19 @@ class PrefillBudget:
             lo, hi = (mid, hi) if max(self.layer_s(mid, position)) <= limit else (lo, mid - 1)
         return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
 
-    def piece_end(self, position: int, tokens: int, first: int) -> int:
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
         """Where a piece of the chunk of ``tokens`` at ``position`` that starts at layer ``first`` ends: as many layers
-        as are projected within the limit, at least one."""
-        costs, limit = self.layer_s(tokens, position), self.chunk_limit_s
+        as are projected within the limit, at least one; ``scale``: measured over projected seconds of recent pieces."""
+        costs, limit = self.layer_s(tokens, position), self.chunk_limit_s / max(scale, 1e-6)
         end, total = first + 1, costs[first]
         while end < len(costs) and total + costs[end] <= limit:
             total += costs[end]
             end += 1
         return end
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float:
+        """The projected seconds of layers ``first`` to ``end`` of that chunk."""
+        return sum(self.layer_s(tokens, position)[first:end])
 
     def idle_chunk_at(self, position: int, seconds_per_token: float = 0.0) -> int:
         """The chunk at ``position`` while no row decodes (``chunk_exact`` only): about ``IDLE_CHUNK_S`` at
@@ -179,7 +183,7 @@ class PrefillBudget:
             scheduler.prefill_chunk = self.chunk_tokens
             if len(self.layer_kinds) > 1:  # large chunks, run in pieces of layers while rows decode
                 scheduler.chunk_grid = ChunkGrid(self.grid_chunk_at)
-                scheduler.layer_pieces = self.piece_end
+                scheduler.layer_pieces = self
             else:
                 scheduler.chunk_grid = ChunkGrid(self.chunk_at) if self.attention_s > 0 else None
             scheduler.idle_chunk = self.idle_chunk_at if self.chunk_exact else None

@@ -39,7 +39,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.nn as nn
 
@@ -63,6 +63,14 @@ from .step_plan import DecodePlan, DecodeResult, MediaEncode, PrefillChunk, Pref
 from .step_profile import StepProfile, StepRecord
 
 logger = logging.getLogger(__name__)
+
+
+class LayerPieces(Protocol):
+    """How many of a chunk's layers one step runs while rows decode (prefill_budget.PrefillBudget)."""
+
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int: ...
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float: ...
 
 
 class BatchScheduler:
@@ -94,8 +102,11 @@ class BatchScheduler:
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
         # Chunks while no row decodes, where chunking is exact: (position, seconds a token of the last chunk) -> tokens.
         self.idle_chunk: Callable[[int, float], int] | None = None
-        # While rows decode, a chunk runs in pieces of layers: (position, tokens, first layer) -> the piece's end.
-        self.layer_pieces: Callable[[int, int, int], int] | None = None
+        # While rows decode, a chunk runs in pieces of layers, sized by this projection (prefill_budget).
+        self.layer_pieces: LayerPieces | None = None
+        # Measured over projected seconds of recent pieces: a calibration read on a loaded machine, or an attention
+        # cost it missed, corrects itself from the next piece on (any split of a chunk's layers is exact).
+        self._piece_scale = 1.0
         self.layers = len(getattr(getattr(model, "model", None), "layers", ())) or 1
         self._last_chunk_rate = 0.0  # CPU seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
@@ -224,6 +235,8 @@ class BatchScheduler:
                         # CPU seconds: other work on the machine must not shrink a lone prompt's chunks
                         self._last_chunk_rate = (time.process_time() - cpu) / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
+                    if isinstance(work, PrefillChunk) and not work.whole and self.layer_pieces is not None:
+                        self._note_piece(work, ran.seconds)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
                 logger.exception("prefill failed for %s", row.rid)
@@ -270,9 +283,17 @@ class BatchScheduler:
         """While rows decode, as many of the chunk's layers as its stall bound allows; otherwise the rest of it."""
         last = None
         if self.layer_pieces is not None and self.running:
-            stop = self.layer_pieces(start, end - start, first)
+            stop = self.layer_pieces.piece_end(start, end - start, first, self._piece_scale)
             last = None if stop >= self.layers else stop
         return PrefillChunk(row, start, end, first, last, self.layers)
+
+    def _note_piece(self, piece: PrefillChunk, seconds: float) -> None:
+        assert self.layer_pieces is not None
+        stop = self.layers if piece.last_layer is None else piece.last_layer
+        projected = self.layer_pieces.piece_s(piece.start, piece.positions, piece.first_layer, stop)
+        if projected > 0:
+            ratio = min(max(seconds / projected, 0.1), 100.0)
+            self._piece_scale = 0.5 * self._piece_scale + 0.5 * ratio
 
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
