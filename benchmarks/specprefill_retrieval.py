@@ -264,7 +264,32 @@ def main(argv: list[str] | None = None) -> None:
                                                          for mo, v in row["modes"].items()}}), flush=True)
         per_prompt = max(per_prompt, time.perf_counter() - tic)
         save()
-    print(json.dumps(save()), flush=True)
+    sm = save()
+    print(json.dumps(sm), flush=True)
+    table = markdown(sm, a.gen)
+    out.with_suffix(".md").write_text(table)
+    print(table, flush=True)
+
+
+NAMES = {"dense": "dense", "keep": "SpecPrefill, keep {k}", "recent": "the most recent {p}%", "spans": "keep {k} in 256-token spans",
+         "ends": "keep {k}, first 256 + last 512 dense", "self": "the target scoring itself, keep {k}"}
+
+
+def markdown(summary: dict, gen: int) -> str:
+    """The docs table (docs/benchmarks.md, SpecPrefill quality on the long-context pair)."""
+    head = ["prefill", "kept", "retrieval acc.", "1st answer token", "definition kept", "continuation ppl / dense",
+            "top-1 = dense"] + ([f"{gen} greedy = dense"] if gen else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for mode, r in summary.items():
+        how, _, k = mode.partition(" ")
+        name = NAMES[how].format(k=k, p=round(100 * float(k)) if k else "")
+        cells = [name, f"{r.get('kept_share', 1.0):.2f}", f"{r.get('retrieval_acc', float('nan')):.2f}",
+                 f"{r.get('first_token_acc', float('nan')):.2f}", f"{r.get('definition_kept', float('nan')):.2f}",
+                 f"{r.get('text_ppl_over_dense', float('nan')):.3f}", f"{r.get('top1_agree_with_dense', float('nan')):.2f}"]
+        if gen:
+            cells.append(f"{r.get('greedy_identical', float('nan')):.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 # Staging and running: benchmarks/README.md ("GPU runs").
 # Writes under $OUT: specprefill_lc.log (everything printed), corpus_meta.json, train_log.json (steps, ms/step,
 # the loss curve with the answers' teacher-forced accuracy, held-out retrieval of both models),
-# specprefill_retrieval-gpu.json (the quality table: "summary"; per-prompt rows), and with SPEC_LC_WEIGHTS=1 the
+# specprefill_retrieval-gpu.json (the quality table: "summary"; per-prompt rows), specprefill_retrieval-gpu.md (the
+# docs table, filled), and with SPEC_LC_WEIGHTS=1 the
 # pair's weights (lc-run/target, lc-run/draft: fp32 shards, ~90 MB).
 # Environment: SPEC_LC_BUDGET_S (wall seconds for everything, setup included, default 520), SPEC_LC_EVAL_S (seconds
 # kept for the quality run, default 150), SPEC_LC_TRAIN_ARGS (extra train arguments, e.g. "--batch 8" or
