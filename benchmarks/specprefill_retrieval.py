@@ -17,7 +17,7 @@ continues at the prompt's length, as in the text engine):
   keep K       the draft's scores (``ScoringJob``, the server's settings: 32-token chunks, 8 look-ahead tokens);
   recent K     the last K of the prompt only (what a draft that knows nothing would keep);
   spans K      the draft's scores over 256-token chunks (whole spans for the recurrent layers);
-  ends K       the first 256 and last 512 tokens dense (a system prompt and the last turn), the draft's pick
+  ends K       the first 128 and last 256 tokens dense (a system prompt and the last turn), the draft's pick
                of 32-token chunks between them, K in all;
   self K       the target scoring its own prompt (a reference: the best a draft could do by this rule).
 
@@ -102,7 +102,7 @@ def kept_for(mode: str, n: int, draft_scores: np.ndarray, self_scores: np.ndarra
     if how == "spans":
         return select_chunks(draft_scores, 0, keep, 0.0, 256)
     if how == "ends":
-        head, tail = 256, 512
+        head, tail = 128, 256
         mid = m - head - tail
         want = math.ceil(m * keep) - head - tail
         if mid <= 0 or want <= 0:
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 NAMES = {"dense": "dense", "keep": "SpecPrefill, keep {k}", "recent": "the most recent {p}%", "spans": "keep {k} in 256-token spans",
-         "ends": "keep {k}, first 256 + last 512 dense", "self": "the target scoring itself, keep {k}"}
+         "ends": "keep {k}, first 128 + last 256 dense", "self": "the target scoring itself, keep {k}"}
 
 
 def markdown(summary: dict, gen: int) -> str:
