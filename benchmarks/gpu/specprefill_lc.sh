@@ -42,11 +42,12 @@ cp "$DATA/corpus_meta.json" "$OUT/" 2>/dev/null
 train_s=$(( $(left) - EVAL_S - 20 ))
 echo "specprefill_lc: corpus ready, $(left) s left; training for $train_s s"
 [ "$train_s" -gt 60 ] || { echo "specprefill_lc: no time left to train"; exit 5; }
-# Uncompiled by default: mx.compile's first step costs minutes of kernel JIT (~170 s for the 10M model at 256 tokens).
+# The training stops itself at its budget (the timeout only guards the call). Uncompiled by default: mx.compile's
+# first step costs minutes of kernel JIT (~170 s for the 10M model at 256 tokens).
 compile=--no-compile
 [ "${SPEC_LC_COMPILE:-0}" = 1 ] && compile=
 # shellcheck disable=SC2086
-timeout -k 10 $((train_s + 60)) $PY training/train_long_context.py train --data "$DATA" --out "$RUN" \
+timeout -k 10 $(( $(left) - 15 )) $PY training/train_long_context.py train --data "$DATA" --out "$RUN" \
     --time-budget "$train_s" $compile ${SPEC_LC_TRAIN_ARGS:-} || exit 6
 cp "$RUN/train_log.json" "$OUT/"
 eval_s=$(( $(left) - 10 ))
