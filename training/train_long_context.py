@@ -12,7 +12,7 @@ with a synthetic retrieval task mixed in (retrieval_task.py), so the target has 
            RUN/train_log.json (with teacher-forced held-out retrieval accuracy for both models).
 
 The pair is reproducible from the seed and the logged step count (--steps), not committed (the target is
-~20M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
+18.4M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
 server's text engine runs. The GPU job (benchmarks/gpu/specprefill_lc.sh) runs prepare, train, and then
 benchmarks/specprefill_retrieval.py on the result.
 
@@ -38,11 +38,11 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 TOKENIZER = REPO / "models" / "tiny-qwen35-trained" / "tokenizer.json"
 
-# ~20M parameters: 8 layers, [gated delta x3, attention] x2, vocab 4096 untied.
+# 18.4M parameters (3.1M of them embeddings): 8 layers, [gated delta x3, attention] x2, vocab 4096 untied.
 TARGET = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 8, "full_attention_interval": 4,
           "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 3,
           "linear_num_value_heads": 6, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
-# ~2M: one gated delta layer (its short convolution sees the previous tokens) and one attention layer.
+# 2.6M: one gated delta layer (its short convolution sees the previous tokens) and one attention layer.
 DRAFT = {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 2, "full_attention_interval": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
          "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64}

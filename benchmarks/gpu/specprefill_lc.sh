@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU SpecPrefill quality on a long-context pair (issue 38), in one call: tokenize the standard library
-# (training/train_long_context.py prepare), train a ~20M Qwen3.5-shaped target and its ~2M draft together on
+# (training/train_long_context.py prepare), train an 18.4M Qwen3.5-shaped target and its 2.6M draft together on
 # 4096-token windows of code with the retrieval task mixed in (train, time-budgeted: the steps are fitted to what
 # is left after a timed probe; the first step includes MLX's CUDA JIT), then benchmarks/specprefill_retrieval.py on
 # the pair: dense vs SpecPrefill at keep 0.2 / 0.3 / 0.5 vs the most recent tokens, plus whole spans, dense ends
