@@ -103,3 +103,27 @@ def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
         r = row[name]
         assert 0 < r["acceptance"] <= 1 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"], rel=0.02)
     assert row["aon_a0.8"]["acceptance"] <= row["mtp_a0.8"]["acceptance"]
+
+
+def test_decode_loops_smoke(tmp_path: Path) -> None:
+    """The decode-loop benchmark at the tiny MoE shape on the CPU: every loop times its steps on the same model, the
+    bound counts the experts a step touched, MTP runs against plain at forced acceptance."""
+    import decode_loops as DL
+
+    out = tmp_path / "loops.json"
+    assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
+                    "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-tokens", "4", "--mtp-rounds", "1",
+                    "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["versions"]["mlx_lm"] and res["device_busy"].startswith("n/a: MLX runs on the CPU")
+    [shape] = res["shapes"]
+    one, two = shape["rows"]
+    assert (one["batch"], two["batch"]) == (1, 2) and "generate_step" in one and "generate_step" not in two
+    for row in (one, two):
+        assert all(row[n]["step_ms"] > 0 and row[n]["cpu_ms"] > 0 for n in ("engine", "engine_stock", "batch_generator"))
+        b = row["bytes_per_step"]
+        assert 0 < b["moe_experts_touched"] < b["weights"] < b["total"] and row["bandwidth_bound_ms"] > 0
+    # 2 experts of 8 per token: one row touches 2 per layer, two rows 2-4
+    assert one["moe_distinct_experts_per_layer"] == 2 and 2 <= two["moe_distinct_experts_per_layer"] <= 4
+    [mtp] = shape["mtp"]
+    assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1
