@@ -22,7 +22,8 @@ context length and the gated-delta layers' state.
 With ``--mtp-batches``: MTP on against plain decoding in the engine at forced acceptance ``--acceptance``
 (support/forced_acceptance.py: the verify agrees with each draft with probability a; k = 1, every row drafting),
 per batch size, plain and MTP alternating over ``--mtp-rounds`` rounds; the speedup is the median of the rounds'
-tokens/s ratios. For MoE shapes, ``--dispatch`` lists the expert dispatch policies to run it under.
+tokens/s ratios. For MoE shapes, ``--dispatch`` lists the expert dispatch plans to run it under: the one the model's
+build measured (model/kernels/moe_dispatch.py; its per-size times are in the JSON) and mlx-lm's rule.
 
 Shapes: ``small`` (the trained tiny model's shape, random weights), ``small-moe`` (it with MoE blocks) and ``trained`` (models/tiny-qwen35-trained, loaded as the
 server loads it) for the CPU; ``2b``, ``9b``, ``35b-a3b`` (40 layers, 256 experts, 8 routed + a shared one;
@@ -62,6 +63,7 @@ from lib.device_busy import DeviceBusy  # noqa: E402
 from lib.provenance import commit, device, gpu_names, versions  # noqa: E402
 from lib.random_model import build, parameter_count, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import moe_dispatch  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
@@ -359,6 +361,12 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
 # -- MTP on against plain ---------------------------------------------------------------------------------------
 
 
+def dispatch_plan(loaded: Loaded) -> Any:
+    """The MoE switches' measured plan (None for a dense model)."""
+    switches = [m for _, m in loaded.model.named_modules() if isinstance(m, moe_dispatch.DispatchedSwitchGLU)]
+    return switches[0].plan if switches else None
+
+
 def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace) -> dict:
     from support.forced_acceptance import ForcedAcceptanceDecode
 
@@ -435,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acceptance", type=float, default=0.8, help="forced acceptance of the MTP runs")
     ap.add_argument("--mtp-tokens", type=int, default=48, help="tokens per row of an MTP / plain run")
     ap.add_argument("--mtp-rounds", type=int, default=3)
+    ap.add_argument("--dispatch", default="measured,mlx-lm",
+                    help="MoE shapes: the expert dispatch plans the MTP runs go under (measured: the plan measured at build; "
+                         "mlx-lm: mlx-lm's rule, sort from 64 pairs)")
     ap.add_argument("--dtype", default="", help="random shapes' dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no batch size after this many seconds (0: none)")
     ap.add_argument("--out", type=Path, required=True)
@@ -491,15 +502,27 @@ def main(argv: list[str] | None = None) -> int:
             write()
             print("decode_loops: " + json.dumps({"shape": name, **{k: row[k] for k in row if k != "bytes_per_step"}}),
                   flush=True)
+        measured = dispatch_plan(loaded)
+        plans = {"measured": measured, "mlx-lm": moe_dispatch.MLX_LM} if measured is not None else {"-": None}
+        if measured is not None:
+            shape["moe_dispatch"] = {"measured": measured.describe(), "sort_at": measured.sort_at,
+                                     "timings_ms_tokens_gather_sorted": measured.timings_ms}
+            print(f"decode_loops: MoE dispatch measured at build: {measured.describe()}; (tokens, gather ms, sorted ms) "
+                  f"over {moe_dispatch.TIMED_LAYERS} layers: {measured.timings_ms}", flush=True)
         for B in [int(b) for b in a.mtp_batches.split(",") if b]:
-            elapsed = time.perf_counter() - t_start
-            if a.budget_s and elapsed > a.budget_s:
-                shape["skipped_batches"].append(f"mtp{B}")
-                continue
-            m = mtp_against_plain(loaded, B, a)
-            shape.setdefault("mtp", []).append(m)
-            write()
-            print("decode_loops: mtp " + json.dumps(m), flush=True)
+            for policy in [d for d in a.dispatch.split(",") if d in plans] or list(plans)[:1]:
+                elapsed = time.perf_counter() - t_start
+                if a.budget_s and elapsed > a.budget_s:
+                    shape["skipped_batches"].append(f"mtp{B}_{policy}")
+                    continue
+                if plans[policy] is not None:
+                    moe_dispatch.set_plan(plans[policy], loaded.model, loaded.head)
+                m = {"dispatch": policy, **mtp_against_plain(loaded, B, a)}
+                shape.setdefault("mtp", []).append(m)
+                write()
+                print("decode_loops: mtp " + json.dumps(m), flush=True)
+        if measured is not None:
+            moe_dispatch.set_plan(measured, loaded.model, loaded.head)
         del loaded
         gc.collect()
         mx.clear_cache()

@@ -125,5 +125,7 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
         assert 0 < b["moe_experts_touched"] < b["weights"] < b["total"] and row["bandwidth_bound_ms"] > 0
     # 2 experts of 8 per token: one row touches 2 per layer, two rows 2-4
     assert one["moe_distinct_experts_per_layer"] == 2 and 2 <= two["moe_distinct_experts_per_layer"] <= 4
-    [mtp] = shape["mtp"]
-    assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1
+    # MTP against plain under the dispatch the build measured and under mlx-lm's rule
+    assert [m["dispatch"] for m in shape["mtp"]] == ["measured", "mlx-lm"] and shape["moe_dispatch"]["sort_at"]
+    for mtp in shape["mtp"]:
+        assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1

@@ -1,7 +1,8 @@
 """A Qwen3.5-shaped text model and one-layer MTP head with random weights, built in memory as the engine runs them.
 
 The model is mlx-lm's qwen3_5 ``TextModel`` (dense or MoE, from a ``shapes.PRESETS`` entry), the head the package's
-``MTPHead`` bound to it; both take the class swaps ``build_text_model`` gives a loaded checkpoint (``swaps.apply``),
+``MTPHead`` bound to it; both take the class swaps ``build_text_model`` gives a loaded checkpoint (``swaps.apply``,
+and an MoE model's measured expert dispatch),
 so the engine runs them as it would run a real one. Each parameter is its module's own random init cast to the
 dtype a few at a time: the float32 init of the whole model never exists at once (35B-A3B: 140 GB). lm_head rows of
 ``zero_ids`` (ids the tokenizer lacks, its special tokens) are zero, so greedy decoding never emits them.
@@ -15,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from vllm_mlx_mtp_routing.model.kernels import swaps
+from vllm_mlx_mtp_routing.model.kernels import moe_dispatch, swaps
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import TextModel, TextModelArgs
 from vllm_mlx_mtp_routing.model.mtp import MTPHead
 
@@ -63,7 +64,8 @@ def build(config: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple
     model.train(False)
     head.train(False)
     head.bind(model)
-    swaps.apply(model, head)
+    if swaps.apply(model, head).moe_switches:
+        moe_dispatch.measure(model, head)  # as build_text_model does
     mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
                                  if isinstance(v, mx.array)])
     return model, head
