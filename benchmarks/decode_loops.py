@@ -321,6 +321,7 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
     times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
     for r in range(a.repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            busy.quiesce()
             with classes_for(name, loaded):
                 times[name].append(timed_block(loops[name], a.steps))
     row: dict[str, Any] = {"batch": B}
@@ -367,7 +368,7 @@ def dispatch_plan(loaded: Loaded) -> Any:
     return switches[0].plan if switches else None
 
 
-def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace) -> dict:
+def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy) -> dict:
     from support.forced_acceptance import ForcedAcceptanceDecode
 
     prompts = prompts_for(loaded, B, a.prompt_tokens, seed=B)
@@ -375,6 +376,7 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace) -> dict:
     def run(mtp: bool) -> tuple[float, dict]:
         decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
         loop = EngineLoop(loaded, prompts, decode, max_tokens=a.mtp_tokens)
+        busy.quiesce()
         before = loop.tokens
         t = time.perf_counter()
         while loop.sched.has_work():
@@ -448,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                          "mlx-lm: mlx-lm's rule, sort from 64 pairs)")
     ap.add_argument("--dtype", default="", help="random shapes' dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no batch size after this many seconds (0: none)")
+    ap.add_argument("--no-cupti", action="store_true", help="no device busy time (CUPTI's tracing off for the run)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.loops = [n for n in a.loops.split(",") if n]
@@ -458,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--shapes: a comma list of {', '.join(SHAPES)}")
     dtype = a.dtype or ("float32" if kind() == "cpu" else "bfloat16")
     t_start = time.perf_counter()
-    busy = DeviceBusy()
+    busy = DeviceBusy(enable=not a.no_cupti)  # first: CUPTI traces from before any CUDA graph exists
     bw, bw_source, bw_measured = bandwidth()
     result: dict[str, Any] = {
         "benchmark": "decode_loops", "commit": commit(), "device": device(), "versions": versions(),
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if plans[policy] is not None:
                     moe_dispatch.set_plan(plans[policy], loaded.model, loaded.head)
-                m = {"dispatch": policy, **mtp_against_plain(loaded, B, a)}
+                m = {"dispatch": policy, **mtp_against_plain(loaded, B, a, busy)}
                 shape.setdefault("mtp", []).append(m)
                 write()
                 print("decode_loops: mtp " + json.dumps(m), flush=True)

@@ -8,6 +8,9 @@ work counts once), clipped to the window. Only where MLX runs on CUDA and ``cupt
 ``cupti-python`` is not on the GPU machine: stage its wheel (``cupti-python==13.0.1``, matching CUDA 13.0's
 ``nvidia-cuda-cupti`` that the machine's image has, with ``cuda-bindings`` and ``cuda-pathfinder``) and
 ``pyelftools`` with ``benchmarks/gpu/stage.sh`` (benchmarks/gpu/loops.sh says how).
+
+Tracing is on for the whole process once constructed (a few microseconds of the driver's per launch; the timed loops
+all run under it alike): construct it before any model work.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from typing import Any
 class DeviceBusy:
     """``start()`` ... ``stop()`` -> (busy seconds, kernels) of the device in between; one instance per process."""
 
-    def __init__(self) -> None:
+    def __init__(self, enable: bool = True) -> None:
         self.why: str | None = None
         self._cupti: Any = None
         self._records: list[tuple[int, int, bool]] = []  # (start ns, end ns, is a kernel)
         self._lock = threading.Lock()
         self._t0 = 0
+        if not enable:
+            self.why = "off (not asked for)"
+            return
         from vllm_mlx_mtp_routing.model.kernels.device import kind
 
         if kind() != "cuda":
@@ -37,11 +43,15 @@ class DeviceBusy:
             self.why = f"n/a: cupti-python not importable ({type(e).__name__}: {e})"[:300]
             return
         self._cupti = cupti
-        self._kinds = [cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
+        self._collecting = False
         try:
             cupti.activity_register_callbacks(self._requested, self._completed)
+            # On from the start, before MLX builds any CUDA graph: a graph instantiated untraced may never report
+            # its kernels. Records outside a window are dropped; quiesce() keeps their delivery out of timed work.
+            for kind_ in (cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET):
+                cupti.activity_enable(kind_)
         except Exception as e:  # noqa: BLE001
-            self.why = f"n/a: CUPTI refused its callbacks ({type(e).__name__}: {e})"[:300]
+            self.why = f"n/a: CUPTI refused its activity tracing ({type(e).__name__}: {e})"[:300]
             self._cupti = None
 
     def available(self) -> bool:
@@ -49,21 +59,28 @@ class DeviceBusy:
 
     @staticmethod
     def _requested() -> tuple[int, int]:
-        return 8 << 20, 0  # buffer bytes, records (0: as many as fit)
+        return 64 << 20, 0  # buffer bytes (~300K records: hundreds of steps), records (0: as many as fit)
 
     def _completed(self, activities: list) -> None:
+        if not self._collecting:
+            return
         kernel = self._cupti.ActivityKind.CONCURRENT_KERNEL
         got = [(a.start, a.end, a.kind == kernel) for a in activities if hasattr(a, "start") and hasattr(a, "end")]
         with self._lock:
             self._records.extend(got)
 
+    def quiesce(self) -> None:
+        """Deliver (and drop) the records so far, so that no buffer fills during the timed work that follows."""
+        if self._cupti is not None:
+            self._cupti.activity_flush_all(1)
+
     def start(self) -> None:
         """Begin a window; the caller has drained the device (``mx.synchronize()``)."""
         assert self._cupti is not None, self.why
+        self.quiesce()
         with self._lock:
             self._records.clear()
-        for kind in self._kinds:
-            self._cupti.activity_enable(kind)
+        self._collecting = True
         self._t0 = self._cupti.get_timestamp()
 
     def stop(self) -> tuple[float, int]:
@@ -71,8 +88,7 @@ class DeviceBusy:
         assert self._cupti is not None, self.why
         t1 = self._cupti.get_timestamp()
         self._cupti.activity_flush_all(1)
-        for kind in self._kinds:
-            self._cupti.activity_disable(kind)
+        self._collecting = False
         with self._lock:
             records = sorted((max(s, self._t0), min(e, t1), k) for s, e, k in self._records if e > self._t0 and s < t1)
             self._records.clear()

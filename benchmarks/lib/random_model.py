@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from vllm_mlx_mtp_routing.model.kernels import moe_dispatch, swaps
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import TextModel, TextModelArgs
@@ -36,17 +36,21 @@ def text_config(shape: dict, layers: int | None = None) -> dict:
 
 
 def _cast(module: Any, dtype: Any) -> None:
-    params = tree_flatten(module.parameters())
-    cast: list[tuple[str, mx.array]] = []
-    pending = 0
-    for name, v in params:
-        cast.append((name, v if name.endswith("A_log") else v.astype(dtype)))  # A_log stays fp32, as in mlx-lm
-        pending += v.size * 4
-        if pending >= CAST_BYTES:
-            mx.eval([c for _, c in cast])
-            pending = 0
-    module.update(tree_unflatten(cast))
-    mx.eval(module.parameters())
+    """Each array of ``module`` replaced by its cast as soon as it is made, evaluated a group at a time: a float32
+    init is freed once its cast is evaluated (nothing else holds it)."""
+    pending: list[mx.array] = []
+    size = 0
+    for _, m in module.named_modules():
+        for key, v in list(m.items()):
+            if not isinstance(v, mx.array) or key == "A_log":  # A_log stays fp32, as in mlx-lm
+                continue
+            m[key] = v.astype(dtype)
+            pending.append(m[key])
+            size += v.size * 4
+            if size >= CAST_BYTES:
+                mx.eval(pending)
+                pending, size = [], 0
+    mx.eval(pending)
 
 
 def build(config: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[TextModel, MTPHead]:
