@@ -110,7 +110,8 @@ def load(name: str, layers: int | None, dtype: str) -> Loaded:
         config = json.loads((TRAINED / "config.json").read_text())
         bundle = build_text_model(vlm, TRAINED, config)
         tok = processor.tokenizer
-        special = set(tok.all_special_ids) | set(tok.eos_token_ids or [])
+        eos = tok.eos_token_ids if tok.eos_token_ids is not None else []
+        special = set(tok.all_special_ids) | set([eos] if isinstance(eos, int) else eos)
         usable = [i for i in range(10, len(tok.get_vocab())) if i not in special]
         return Loaded(name, bundle.model, bundle.mtp, tok, config["text_config"], False, usable)
     config = text_config(PRESETS[SHAPES[name]], layers)
@@ -204,9 +205,18 @@ def classes_for(name: str, loaded: Loaded) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if name == "engine" else stock_classes(loaded.model, loaded.head)
 
 
+def drain() -> None:
+    """Wait for the device's work on every stream a loop uses (mlx-lm's loops run on their own)."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize()
+    mx.synchronize(generation_stream)
+
+
 def timed_block(loop: Any, steps: int) -> tuple[float, float, float]:
-    """Seconds per step of ``steps`` steps: wall, process CPU, main-thread CPU. A pipelined loop's step in flight at
-    the start and at the end make one step's worth (no drain: the steady state is what is timed)."""
+    """Seconds per step of ``steps`` steps: wall, process CPU, main-thread CPU. The device is drained first (no other
+    loop's step still runs), then one untimed step puts a pipelined loop back in its steady state."""
+    drain()
     loop.step()
     t, c, th = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(steps):
@@ -332,11 +342,11 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
                      "step_ms_blocks": [round(1e3 * t[0], 3) for t in times[name]]}
         if busy.available():
             with classes_for(name, loaded):
-                mx.synchronize()
+                drain()
                 busy.start()
                 for _ in range(a.steps):
                     loops[name].step()
-                mx.synchronize()
+                drain()
                 seconds, kernels = busy.stop()
             row[name]["device_busy_ms"] = round(1e3 * seconds / a.steps, 3)
             row[name]["kernels_per_step"] = round(kernels / a.steps, 1)
