@@ -135,7 +135,7 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float = M
         return None
     blocks = blocks[:TIMED_LAYERS]
     H = model.args.hidden_size
-    dtype = blocks[0].gate.weight.dtype
+    dtype = model.model.norm.weight.dtype  # the activations' (a quantized router's weight is packed integers)
     k = blocks[0].top_k
 
     def inputs(n: int) -> tuple[mx.array, list[mx.array]]:
