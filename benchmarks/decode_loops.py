@@ -347,9 +347,12 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
                 for _ in range(a.steps):
                     loops[name].step()
                 drain()
-                seconds, kernels = busy.stop()
-            row[name]["device_busy_ms"] = round(1e3 * seconds / a.steps, 3)
-            row[name]["kernels_per_step"] = round(kernels / a.steps, 1)
+                got = busy.stop()
+            if got is None:
+                row[name]["device_busy"] = busy.why
+            else:
+                row[name]["device_busy_ms"] = round(1e3 * got[0] / a.steps, 3)
+                row[name]["kernels_per_step"] = round(got[1] / a.steps, 1)
     distinct: list[int] = []
     if loaded.config.get("num_experts"):
         with counting_experts(loaded.model) as distinct:

@@ -28,6 +28,7 @@ class DeviceBusy:
         self._records: list[tuple[int, int, bool]] = []  # (start ns, end ns, is a kernel)
         self._lock = threading.Lock()
         self._t0 = 0
+        self._collecting = False
         if not enable:
             self.why = "off (not asked for)"
             return
@@ -43,7 +44,6 @@ class DeviceBusy:
             self.why = f"n/a: cupti-python not importable ({type(e).__name__}: {e})"[:300]
             return
         self._cupti = cupti
-        self._collecting = False
         try:
             cupti.activity_register_callbacks(self._requested, self._completed)
             # On from the start, before MLX builds any CUDA graph: a graph instantiated untraced may never report
@@ -72,23 +72,41 @@ class DeviceBusy:
     def quiesce(self) -> None:
         """Deliver (and drop) the records so far, so that no buffer fills during the timed work that follows."""
         if self._cupti is not None:
-            self._cupti.activity_flush_all(1)
+            try:
+                self._cupti.activity_flush_all(1)
+            except Exception as e:  # noqa: BLE001 - tracing that fails mid-run ends the measurement, not the run
+                self.give_up(e)
+
+    def give_up(self, e: BaseException) -> None:
+        self.why = f"n/a: CUPTI failed mid-run ({type(e).__name__}: {e})"[:300]
+        self._cupti = None
 
     def start(self) -> None:
         """Begin a window; the caller has drained the device (``mx.synchronize()``)."""
-        assert self._cupti is not None, self.why
+        if self._cupti is None:
+            return
         self.quiesce()
         with self._lock:
             self._records.clear()
         self._collecting = True
-        self._t0 = self._cupti.get_timestamp()
+        try:
+            self._t0 = self._cupti.get_timestamp()
+        except Exception as e:  # noqa: BLE001
+            self.give_up(e)
 
-    def stop(self) -> tuple[float, int]:
-        """End the window (the caller has drained the device): busy seconds in it and kernels that ran."""
-        assert self._cupti is not None, self.why
-        t1 = self._cupti.get_timestamp()
-        self._cupti.activity_flush_all(1)
-        self._collecting = False
+    def stop(self) -> tuple[float, int] | None:
+        """End the window (the caller has drained the device): busy seconds in it and kernels that ran; None once
+        CUPTI has failed (``why`` says how)."""
+        if self._cupti is None:
+            return None
+        try:
+            t1 = self._cupti.get_timestamp()
+            self._cupti.activity_flush_all(1)
+        except Exception as e:  # noqa: BLE001
+            self.give_up(e)
+            return None
+        finally:
+            self._collecting = False
         with self._lock:
             records = sorted((max(s, self._t0), min(e, t1), k) for s, e, k in self._records if e > self._t0 and s < t1)
             self._records.clear()
