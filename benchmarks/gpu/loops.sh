@@ -16,7 +16,9 @@
 # shapes, default 420; each shape gets a share, the MoE shape the most), GPU_LOOPS_MOE_LAYERS (the 35B-A3B's layers on
 # a card under 100 GB, default 28), GPU_LOOPS_MTP_BATCHES (the MoE shape's MTP batch sizes, default 1,2,4,8; empty
 # skips), GPU_LOOPS_ARGS (extra arguments for every shape), SITE, OUT (default benchmarks/results/gpu_loops).
-# Files: $OUT/decode_loops_<shape>_gpu.json, the log.
+# Files: $OUT/decode_loops_<shape>_gpu.json, the log. All three shapes in one job share the budget (the last batch
+# sizes may be skipped, said in the log and the JSON's skipped_batches); for every figure run two jobs,
+# GPU_LOOPS_SHAPES="2b 9b" and GPU_LOOPS_SHAPES=35b-a3b.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
