@@ -13,6 +13,7 @@
 #   stall        prefill_stall.py, running streams while a 16K-token prompt prefills
 #   specprefill  specprefill_speed.py, TTFT dense vs SpecPrefill at 8K-32K tokens, 9B-shaped target
 #   kernels      the CUDA kernels' exactness and speed (recurrence, few-row matmul)
+#   cold         cold_ttft.py, a lone long prompt (10K, 27K tokens), host alone vs host + plugin, 2B shape
 #   loops        decode_loops.py, the engine's step beside mlx-lm's loops at 2B / 9B / 35B-A3B, MoE MTP on vs plain
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
