@@ -8,6 +8,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   device.
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
+- mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
+  size as measured on the loaded model (``moe_dispatch.measure``, which ``build_text_model`` runs). Every device.
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
 """
 
@@ -22,6 +24,7 @@ from ..mlx_lm_internals import Attention, GatedDeltaNet
 from .cpu_experts import use_float32_experts
 from .device import on_cuda
 from .grouped_attention import GroupedAttention
+from .moe_dispatch import use_dispatched_switch
 from .skinny_matmul import SkinnyLinear
 
 
@@ -33,6 +36,7 @@ class Swapped:
     grouped_attention: int
     skinny_matmul: int
     float32_experts: int = 0
+    moe_switches: int = 0
 
 
 def use_fused_recurrence(model: nn.Module) -> int:
@@ -79,4 +83,6 @@ def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
     grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
-    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts)
+    switches = use_dispatched_switch(model) + (use_dispatched_switch(head) if head is not None else 0)
+    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
+                   moe_switches=switches)
