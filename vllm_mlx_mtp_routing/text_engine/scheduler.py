@@ -112,6 +112,7 @@ class BatchScheduler:
         self.shared_prefill_rows = 0  # rows that started from another row's prefill (OpenAI n)
         self.batch_size_histogram: dict[int, int] = {}
         self.profile = StepProfile()
+        self._after_delivery: list[Callable[[], None]] = []  # end-of-generation snapshots (finish_delivered)
 
     @property
     def batch(self) -> DecodeBatch:
@@ -166,7 +167,14 @@ class BatchScheduler:
         return row.output("abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._after_delivery)
+
+    def finish_delivered(self) -> None:
+        """The work that waited until the last step's outputs were delivered (the text engine calls it then; a step
+        runs it first): a finished row's end-of-generation snapshot, which its client need not wait for."""
+        jobs, self._after_delivery = self._after_delivery, []
+        for job in jobs:
+            job()
 
     def _find(self, request_id: str) -> Row | None:
         for group in (self.running, self.prefilling, self.waiting):
@@ -179,6 +187,9 @@ class BatchScheduler:
 
     def step(self) -> list[TextOutput]:
         """Admit, prefill up to one budget, join, decode the batch once; outputs of this step."""
+        self.finish_delivered()
+        if not (self.waiting or self.prefilling or self.running):
+            return []
         outputs: list[TextOutput] = []
         record = self.profile.begin(self.steps)
         try:
@@ -355,7 +366,9 @@ class BatchScheduler:
             if row.finish_reason:
                 finished.append(row)
                 if self.prefix_cache is not None:
-                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, self.running.index(row))
+                    save = SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, self.running.index(row))
+                    if save is not None:
+                        self._after_delivery.append(save)
         if finished:
             self._drop_rows(finished)
         return outputs
