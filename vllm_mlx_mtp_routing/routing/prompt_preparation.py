@@ -24,6 +24,7 @@ from typing import Any
 from ..plugin_api.errors import RequestRejected
 from ..prefix_cache.boundaries import snapshot_positions
 from ..prefix_cache.shared_tokens import SharedTokens
+from .image_memo import ImageMemo
 from .token_memo import TokenMemo
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
@@ -98,6 +99,7 @@ class PromptPreparer:
         # The VLM's processor (media prompts), the worker's own copy too: it holds a tokenizer.
         self.processor = copy.deepcopy(processor) if processor is not None else None
         self.memo = TokenMemo(self.tokenizer)  # used on the worker thread only
+        self.images = ImageMemo()  # likewise
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-prompt")
 
     @classmethod
@@ -122,8 +124,9 @@ class PromptPreparer:
                                memo=self.memo, space=space)
 
     async def media(self, prepare: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``prepare(processor, *args, **kwargs)`` on the worker, with its copy of the processor."""
-        return await self._run(prepare, self.processor, *args, **kwargs)
+        """``prepare(processor, *args, images=..., **kwargs)`` on the worker, with its copy of the processor and its
+        memo of processed images."""
+        return await self._run(prepare, self.processor, *args, images=self.images, **kwargs)
 
     async def raw(self, prompt: str, context_tokens: int | None = None) -> list[int]:
         return await self._run(prepare_raw, self.tokenizer, prompt, context_tokens)
