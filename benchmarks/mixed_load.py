@@ -26,6 +26,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,8 +103,11 @@ async def round_of(url: str, model: str, concurrency: int, max_tokens: int, offs
 @contextlib.contextmanager
 def peer_server(model: Path, max_num_seqs: int, log_dir: Path):
     port = free_port()
-    # Its prefix cache on (off by default), checkpoints every 256 tokens: its best settings for repeated prompts.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "APC_ENABLED": "1", "APC_CHECKPOINT_INTERVAL_TOKENS": "256"}
+    # Its prefix cache on (off by default), checkpoints every 256 tokens: its best settings for repeated prompts. Its
+    # disk tier in a folder of this run's own: by default it persists under ~/.cache/mlx-vlm, and a second run's
+    # identical prompts (the same seeds) would hit what the first run left there.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "APC_ENABLED": "1", "APC_CHECKPOINT_INTERVAL_TOKENS": "256",
+           "APC_DISK_PATH": tempfile.mkdtemp(prefix="mlx-vlm-apc-", dir=log_dir)}
     url = f"http://127.0.0.1:{port}"
     with open(log_dir / f"mlx-vlm-{port}.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
