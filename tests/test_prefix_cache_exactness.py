@@ -288,13 +288,22 @@ def test_a_later_turn_takes_no_message_snapshot_just_past_its_hit(tiny):
         assert out.token_ids == cold(bundle, tok, prompt, 6)
 
 
-def test_the_end_of_generation_snapshot_is_taken_once_the_output_is_delivered(tiny):
-    """The step that finishes a row returns its output before its end-of-generation snapshot is copied; the scheduler
-    has work until it is (finish_delivered, or its next step), and the next turn hits it."""
+def test_end_of_prompt_and_generation_snapshots_are_taken_once_the_output_is_delivered(tiny):
+    """The step that gives a row its first token returns it before the end-of-prompt snapshot is copied, and the step
+    that finishes it returns before its end-of-generation snapshot is; the scheduler has work until they are
+    (finish_delivered, or its next step), and the next turn hits them."""
     bundle, tok = tiny
     cache = _cache(bundle)
     sched = BatchScheduler(bundle.model, tok, prefill_step_size=PREFILL, prefix_cache=cache)
-    sched.add(TextRequest("a", SYSTEM + U1, SamplingOptions(max_tokens=3)))
+    prompt = SYSTEM + U1
+    sched.add(TextRequest("a", prompt, SamplingOptions(max_tokens=3)))
+    outs: list = []
+    while not sched.running:
+        outs = sched.step()
+    assert [len(o.token_ids) for o in outs] == [1]  # its first token, in the step of its join
+    assert cache.tree.get(prompt, len(prompt) - 1) is None and sched.has_work()
+    sched.finish_delivered()
+    assert cache.tree.get(prompt, len(prompt) - 1) is not None
     final = None
     while final is None:
         final = next((o for o in sched.step() if o.finished), None)

@@ -75,13 +75,21 @@ class SnapshotPlan:
                 return p
         return end
 
-    def after_chunk(self, seq: Row, n: int) -> None:
+    def after_chunk(self, seq: Row, n: int) -> Callable[[], None] | None:
+        """Snapshot where the plan wants one. At the end of the prompt the caches are not written again (the row joins
+        the batch from them), so that snapshot is returned to be taken once the step's outputs are delivered: the
+        row's first token does not wait for it."""
         if self.cache is None:
-            return
+            return None
         self.cache.count_prefilled(n)
         kind = self.positions.get(seq.prefilled)
-        if kind is not None:
-            self._save(seq, kind)
+        if kind is None:
+            return None
+        if seq.prefilled == seq.to_prefill and seq.prefill is not None:
+            state, at = seq.prefill, seq.prefilled
+            return lambda: self._save(seq, kind, state, at)
+        self._save(seq, kind)
+        return None
 
     def after_abort(self, seq: Row) -> None:
         """Keep what an aborted dense prefill did (its caches end on a chunk end), unless a snapshot is there."""
@@ -91,12 +99,13 @@ class SnapshotPlan:
             return
         self._save(seq, "progress")
 
-    def _save(self, seq: Row, kind: str) -> None:
-        assert self.cache is not None and seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
+    def _save(self, seq: Row, kind: str, state: PrefillState | None = None, at: int | None = None) -> None:
+        state = state if state is not None else seq.prefill
+        assert self.cache is not None and state is not None  # seq.prefilled > 0: snapshot positions are past 0
         try:
-            self.cache.save(seq.req.cache_ids, kind, seq.prefill, seq.req.cache_salt)
+            self.cache.save(seq.req.cache_ids, kind, state, seq.req.cache_salt)
         except Exception:  # a snapshot is an optimisation: the request goes on without it
-            logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
+            logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled if at is None else at, seq.rid)
 
     @staticmethod
     def after_generation(cache: PrefixCache, seq: Row, batch: BatchCache, i: int) -> Callable[[], None] | None:

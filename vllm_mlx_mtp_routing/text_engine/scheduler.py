@@ -112,7 +112,7 @@ class BatchScheduler:
         self.shared_prefill_rows = 0  # rows that started from another row's prefill (OpenAI n)
         self.batch_size_histogram: dict[int, int] = {}
         self.profile = StepProfile()
-        self._after_delivery: list[Callable[[], None]] = []  # end-of-generation snapshots (finish_delivered)
+        self._after_delivery: list[Callable[[], None]] = []  # snapshots taken after delivery (finish_delivered)
 
     @property
     def batch(self) -> DecodeBatch:
@@ -171,7 +171,7 @@ class BatchScheduler:
 
     def finish_delivered(self) -> None:
         """The work that waited until the last step's outputs were delivered (the text engine calls it then; a step
-        runs it first): a finished row's end-of-generation snapshot, which its client need not wait for."""
+        runs it first): end-of-prompt and end-of-generation snapshots, which no client need wait for."""
         jobs, self._after_delivery = self._after_delivery, []
         for job in jobs:
             job()
@@ -291,8 +291,10 @@ class BatchScheduler:
             self.images_encoded += 1
         elif isinstance(work, PrefillChunk):
             self.prompt_tokens += work.tokens
-            if work.row.plan is not None:  # a snapshot where the plan wants one
-                work.row.plan.after_chunk(work.row, work.tokens)
+            if work.row.plan is not None:  # a snapshot where the plan wants one (the prompt's end: after delivery)
+                later = work.row.plan.after_chunk(work.row, work.tokens)
+                if later is not None:
+                    self._after_delivery.append(later)
 
     def _fail_prefill(self, row: Row, error: BaseException) -> TextOutput:
         self.prefilling.remove(row)
