@@ -125,12 +125,26 @@ def assistant_reply(conv: int, turn: int) -> str:
     return f"I read the file for step {turn} of task {conv}. The quoted-value branch looks suspicious; next I will look at the caller."
 
 
-def conversation_turns(conv: int, turns: int, system: str) -> list[list[dict]]:
-    """The message list sent at each turn of one conversation."""
+def short_reply(conv: int, turn: int) -> str:
+    return f"Step {turn} of task {conv} is done."
+
+
+def short_question(conv: int, turn: int) -> str:
+    return f"Good. For step {turn} of task {conv}, is the quoted-value branch of parse_header covered by a test?"
+
+
+def conversation_turns(conv: int, turns: int, system: str, short: bool = False) -> list[list[dict]]:
+    """The message list sent at each turn of one conversation; ``short``: each later turn adds a one-line reply and a
+    one-line user message (about 50 tokens with the generation prompt), a follow-up question in a chat."""
     messages = [{"role": "system", "content": system},
                 {"role": "user", "content": f"Task {conv}: find where headers are parsed and make parse_header strict."}]
     out = [list(messages)]
     for t in range(2, turns + 1):
+        if short:
+            messages += [{"role": "assistant", "content": short_reply(conv, t)},
+                         {"role": "user", "content": short_question(conv, t)}]
+            out.append(list(messages))
+            continue
         messages.append({"role": "assistant", "content": assistant_reply(conv, t)})
         if t % 2 == 0:
             messages.append({"role": "tool", "tool_call_id": f"call_{conv}_{t}", "content": tool_result(conv, t)})
@@ -235,12 +249,27 @@ def summarize(results: dict[str, list[list[dict]]], turns: int, changed: list[li
             for row, hrow in zip(rows, out["host"]):
                 if row["ttft_mean_s"] and hrow["ttft_mean_s"]:
                     row["ttft_vs_host"] = round(row["ttft_mean_s"] / hrow["ttft_mean_s"], 3)
-    if "plugin" in out and "mlx-lm" in out:
-        for row, prow in zip(out["plugin"], out["mlx-lm"]):
+    for name in [n for n in out if n.startswith("plugin") and "mlx-lm" in out]:
+        for row, prow in zip(out[name], out["mlx-lm"]):
             if row["ttft_mean_s"] and prow["ttft_mean_s"]:
                 row["ttft_vs_mlx_lm"] = round(row["ttft_mean_s"] / prow["ttft_mean_s"], 3)
             if row.get("server_cpu_s") and prow.get("server_cpu_s"):
                 row["cpu_vs_mlx_lm"] = round(row["server_cpu_s"] / prow["server_cpu_s"], 3)
+    return out
+
+
+def later_turn_ratios(summary: dict) -> dict:
+    """Per plugin server: its TTFT over mlx-lm's on turns 2 on (each a pair from the same run), their spread and how
+    many are at most 1.0; the same for the servers' CPU seconds."""
+    out = {}
+    for name, rows in summary.items():
+        ratios = [r["ttft_vs_mlx_lm"] for r in rows[1:] if r.get("ttft_vs_mlx_lm")]
+        cpu = [r["cpu_vs_mlx_lm"] for r in rows[1:] if r.get("cpu_vs_mlx_lm")]
+        if ratios:
+            out[name] = {"ttft_ratios": ratios, "min": min(ratios), "mean": round(statistics.fmean(ratios), 3),
+                         "median": round(statistics.median(ratios), 3), "max": max(ratios),
+                         "at_most_1": sum(r <= 1.0 for r in ratios), "turns": len(ratios),
+                         **({"cpu_mean": round(statistics.fmean(cpu), 3)} if cpu else {})}
     return out
 
 
@@ -308,7 +337,7 @@ def markdown(summary: dict, meta: dict) -> str:
              "| turn | kind | server | TTFT mean s | vs host | plugin vs mlx-lm | prompt tok | reused | prefilled | appended since prev | changed since prev |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in range(meta["turns"]):
-        kind = "first" if t == 0 else ("tool result" if (t + 1) % 2 == 0 else "user message")
+        kind = "first" if t == 0 else ("user message" if meta.get("short_turns") or (t + 1) % 2 else "tool result")
         for name, rows in summary.items():
             r = rows[t]
             lines.append(f"| {t + 1} | {kind} | {name} | {r['ttft_mean_s']} | {r.get('ttft_vs_host', '')} | "
@@ -333,7 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default="host,mlx-lm,plugin")
     ap.add_argument("--mlx-lm-python", default="/tmp/mlxlm-venv/bin/python")
     ap.add_argument("--plugin-flags", default="", help="extra flags for the plugin server")
+    ap.add_argument("--base-plugin", default=None, metavar="DIR",
+                    help="server 'plugin-base' (name it in --servers): the plugin imported from another checkout (DIR, "
+                         "e.g. a git worktree of main) through PYTHONPATH, to compare two commits in one run")
     ap.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, ~600-token prefix")
+    ap.add_argument("--short-turns", action="store_true",
+                    help="each later turn adds a one-line reply and a one-line question (~50 new tokens), not a tool result "
+                         "or a paragraph")
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--ideal", action="store_true",
                     help="after the servers stop: time the plugin's prefill of the longest prompt in-process, chunk by chunk, "
@@ -349,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     system = system_prompt(a.system_tokens, tokenizer)
-    convs = [conversation_turns(c, a.turns, system) for c in range(a.conversations)]
+    convs = [conversation_turns(c, a.turns, system, a.short_turns) for c in range(a.conversations)]
     ids = [[render_ids(tokenizer, m) for m in c] for c in convs]
     changed = [[len(c[t]) - (common_tokens(c[t], c[t - 1]) if t else 0) for c in ids] for t in range(a.turns)]
     log_dir = Path(tempfile.mkdtemp(prefix="agentic-bench-"))
@@ -370,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                 flags = [*base, "--plugins", "mtp-routing", *a.plugin_flags.split()]
                 srv = stack.enter_context(testing_server.serve(model, *flags, log_dir=log_dir, startup_timeout=300,
                                                                command=cmd))
+                urls[s], pids[s] = (srv.url, srv.model), srv.proc.pid
+            elif s == "plugin-base":
+                if not a.base_plugin:
+                    raise SystemExit("server 'plugin-base' needs --base-plugin DIR")
+                flags = [*base, "--plugins", "mtp-routing", *a.plugin_flags.split()]
+                srv = stack.enter_context(testing_server.serve(model, *flags, log_dir=log_dir, startup_timeout=300,
+                                                               command=cmd, env={"PYTHONPATH": a.base_plugin}))
                 urls[s], pids[s] = (srv.url, srv.model), srv.proc.pid
             elif s == "mlx-lm":
                 srv = stack.enter_context(mlx_lm_server(a.mlx_lm_python, model, log_dir))
@@ -410,10 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         print("ideal:", json.dumps(ideal), file=sys.stderr, flush=True)
     else:
         ideal = None
-    meta = {"conversations": a.conversations, "turns": a.turns, "system_tokens": a.system_tokens,
+    meta = {"conversations": a.conversations, "turns": a.turns, "system_tokens": a.system_tokens, "short_turns": a.short_turns,
             "max_tokens": a.max_tokens, "device": provenance.device_line(), "model": str(model), "servers": servers,
             "commit": provenance.commit(), "interrupted": interrupted}
-    report = {"meta": meta, "summary": summary, "plugin_prefix_cache": statuses.get("plugin"), "raw": results,
+    later = later_turn_ratios(summary)
+    if later:
+        print("later turns vs mlx-lm:", json.dumps(later), file=sys.stderr, flush=True)
+    report = {"meta": meta, "summary": summary, "later_turns_vs_mlx_lm": later, "plugin_prefix_cache": statuses.get("plugin"), "raw": results,
               **({"ideal": ideal} if ideal else {})}
     files = []
     if a.out:

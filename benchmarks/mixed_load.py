@@ -26,6 +26,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,8 +103,11 @@ async def round_of(url: str, model: str, concurrency: int, max_tokens: int, offs
 @contextlib.contextmanager
 def peer_server(model: Path, max_num_seqs: int, log_dir: Path):
     port = free_port()
-    # Its prefix cache on (off by default), checkpoints every 256 tokens: its best settings for repeated prompts.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "APC_ENABLED": "1", "APC_CHECKPOINT_INTERVAL_TOKENS": "256"}
+    # Its prefix cache on (off by default), checkpoints every 256 tokens: its best settings for repeated prompts. Its
+    # disk tier in a folder of this run's own: by default it persists under ~/.cache/mlx-vlm, and a second run's
+    # identical prompts (the same seeds) would hit what the first run left there.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "APC_ENABLED": "1", "APC_CHECKPOINT_INTERVAL_TOKENS": "256",
+           "APC_DISK_PATH": tempfile.mkdtemp(prefix="mlx-vlm-apc-", dir=log_dir)}
     url = f"http://127.0.0.1:{port}"
     with open(log_dir / f"mlx-vlm-{port}.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
@@ -145,7 +149,10 @@ async def two_turns(url: str, model: str, seed: int) -> dict:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
-                if ttft is None and any((c.get("delta") or {}).get("content") for c in data.get("choices") or []):
+                # The first token, whichever field it lands in (a reasoning parser puts a thinking prompt's first
+                # tokens in `reasoning`).
+                if ttft is None and any((c.get("delta") or {}).get(k) for c in data.get("choices") or []
+                                        for k in ("content", "reasoning", "reasoning_content", "tool_calls")):
                     ttft = time.perf_counter() - t0
                 usage = data.get("usage") or {}
                 cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
@@ -171,6 +178,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per server, alternated")
     ap.add_argument("--mtp", action="store_true", help="--enable-mtp on the plugin")
     ap.add_argument("--no-peer", action="store_true", help="leave mlx-vlm's server out")
+    ap.add_argument("--no-host", action="store_true", help="leave the host alone out")
+    ap.add_argument("--second-turns", type=int, default=1, metavar="N",
+                    help="two-turn conversations resending their image per server (each its own image), alternated")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     ap.add_argument("--server-cmd", default=None, help="replaces the `vllm-mlx` console script (e.g. the GPU launcher)")
     a = ap.parse_args()
@@ -180,8 +190,9 @@ def main() -> int:
     plugin_flags = ("--plugins", "mtp-routing", *common, *(("--enable-mtp",) if a.mtp else ()))
     with contextlib.ExitStack() as stack:
         cmd = shlex.split(a.server_cmd) if a.server_cmd else None
-        servers = {"host": stack.enter_context(serve(a.model, *common, log_dir=log_dir, command=cmd, startup_timeout=600)).url,
-                   "plugin": stack.enter_context(serve(a.model, *plugin_flags, log_dir=log_dir, command=cmd, startup_timeout=600)).url}
+        servers = {} if a.no_host else {
+            "host": stack.enter_context(serve(a.model, *common, log_dir=log_dir, command=cmd, startup_timeout=600)).url}
+        servers["plugin"] = stack.enter_context(serve(a.model, *plugin_flags, log_dir=log_dir, command=cmd, startup_timeout=600)).url
         if not a.no_peer:
             servers["mlx-vlm"] = stack.enter_context(peer_server(a.model, a.concurrency, log_dir))
         model = str(a.model)
@@ -193,23 +204,34 @@ def main() -> int:
             for name in names[r % len(names):] + names[: r % len(names)]:
                 rounds[name].append(asyncio.run(round_of(servers[name], model, a.concurrency, a.max_tokens, 10 * r)))
                 print(f"round {r} {name}: {rounds[name][-1]['tokens']} tokens in {rounds[name][-1]['wall']:.1f}s", file=sys.stderr)
-        turns = {name: asyncio.run(two_turns(url, model, 1000)) for name, url in servers.items()}
+        pairs: dict[str, list[dict]] = {n: [] for n in servers}
+        for i in range(a.second_turns):  # a new image each time, the same one for every server; the order rotates
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                pairs[name].append(asyncio.run(two_turns(servers[name], model, 1000 + i)))
+        turns = {n: {"turn2_ttft_s": statistics.median(t["turn2_ttft_s"] for t in ts), "turn2_ttft_all_s": [
+            round(t["turn2_ttft_s"], 3) for t in ts], "turn2_cached_tokens": ts[-1]["turn2_cached_tokens"]}
+            for n, ts in pairs.items()}
         status = httpx.get(servers["plugin"] + "/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
     report = {"command": " ".join(sys.argv), "commit": commit(), "device": device_line(), "model": str(a.model),
               "concurrency": a.concurrency, "max_tokens": a.max_tokens, "rounds": a.rounds,
-              "plugin_mtp": a.mtp, "servers": {n: {**summary(rs), **turns[n]} for n, rs in rounds.items()},
+              "plugin_mtp": a.mtp, "servers": {n: {**(summary(rs) if rs else {}), **turns[n]} for n, rs in rounds.items()},
               "plugin_routing": status.get("routing"), "plugin_mtp_acceptance": status.get("mtp", {}).get("acceptance_rate")}
     keys = ["text_decode_tok_s", "image_decode_tok_s", "aggregate_tok_s", "text_ttft_s", "image_ttft_s"]
     print(f"\nmixed load: concurrency {a.concurrency} (half with an image), {a.max_tokens} tokens, {a.rounds} rounds each, "
           f"plugin MTP {'on' if a.mtp else 'off'}")
-    print(f"{'server':<10}" + "".join(f"{k:>20}" for k in keys))
-    for name, s in report["servers"].items():
-        print(f"{name:<10}" + "".join(f"{s[k]:>20.3f}" for k in keys))
+    if a.rounds:
+        print(f"{'server':<10}" + "".join(f"{k:>20}" for k in keys))
+        for name, s in report["servers"].items():
+            print(f"{name:<10}" + "".join(f"{s[k]:>20.3f}" for k in keys))
     for other in [n for n in servers if n != "plugin"]:
         p, o = report["servers"]["plugin"], report["servers"][other]
-        ratios = {k: p[k] / o[k] if o[k] else float("nan") for k in keys[:3]}
+        ratios = {k: p[k] / o[k] if o[k] else float("nan") for k in keys[:3]} if a.rounds else {}
+        # each conversation's pair (the same image on both servers, one after the other)
+        ratios["turn2_ttft_each"] = [round(x / y, 3) for x, y in zip(p["turn2_ttft_all_s"], o["turn2_ttft_all_s"]) if y]
         report[f"plugin_vs_{other}"] = ratios
-        print(f"plugin / {other:<8}" + "".join(f"{ratios[k]:>20.2f}" for k in keys[:3]))
+        if a.rounds:
+            print(f"plugin / {other:<8}" + "".join(f"{ratios[k]:>20.2f}" for k in keys[:3]))
+        print(f"second turn, plugin / {other} per conversation: {ratios['turn2_ttft_each']}")
     print("second turn resending a 448x448 image: " + ", ".join(
         f"{n} {t['turn2_ttft_s']:.2f} s ({t['turn2_cached_tokens']} cached)" for n, t in turns.items()))
     if report["plugin_mtp_acceptance"] is not None:

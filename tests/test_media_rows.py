@@ -217,3 +217,36 @@ def test_image_chunks_in_pieces_of_layers_equal_alone(vl):
     sched.runner.prefill = lambda work: (pieces.extend(w for w in work if getattr(w, "whole", True) is False), real(work))[1]
     batched = run(sched, [(0, text, 30), (1, red, 8)])
     assert pieces and batched[1] == alone(vl, red, 8) and batched[0] == alone(vl, text, 30)
+
+
+def test_a_resent_image_is_taken_from_the_memo_as_the_processor_made_it(vl):
+    """A later turn that resends its image (a data: URL) skips the image's decode and processor: its prompt, pixels,
+    grid, pixel digest and snapshot positions equal a fresh preparation's, and its greedy output too; another image
+    misses."""
+    from vllm_mlx_mtp_routing.routing.image_memo import ImageMemo
+
+    _, processor, _, vision = vl
+    memo = ImageMemo()
+    url, other = data_url((30, 140, 90)), data_url((140, 30, 90))
+
+    def render(msgs: list[dict], images: int) -> str:
+        from vllm_mlx.engine.batched import BatchedEngine
+
+        return processor.apply_chat_template(BatchedEngine._prepare_mllm_messages(msgs), tokenize=False, add_generation_prompt=True)
+
+    def with_memo(messages):
+        return prepare_media_chat(processor, render, messages, image_token_id=vision.image_token_id, merge=vision.merge,
+                                  positions=True, images=memo)
+
+    turn1 = chat([url, other], "Which is greener?")
+    with_memo(turn1)
+    assert memo.hits == 0 and memo.trusted
+    follow = [*turn1, {"role": "assistant", "content": "The first."}, {"role": "user", "content": "And the stripes?"}]
+    got, fresh = with_memo(follow), prepare(vl, follow, positions=True)
+    assert memo.hits == 1
+    assert (got.ids, got.marks, got.media.grid_thw, got.media.spans, got.media.digests) == (
+        fresh.ids, fresh.marks, fresh.media.grid_thw, fresh.media.spans, fresh.media.digests)
+    assert mx.array_equal(got.media.pixel_values, fresh.media.pixel_values).item()
+    assert alone(vl, got, 5) == alone(vl, fresh, 5)
+    with_memo(chat([data_url((90, 30, 140))], "Which is greener?"))  # a new image: the processor's work
+    assert memo.hits == 1

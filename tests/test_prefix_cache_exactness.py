@@ -14,7 +14,9 @@ from scheduling import run_schedule
 from support.draft_hook import hooked_decode
 from vllm_mlx_mtp_routing.prefix_cache.cache import PrefixCache
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
+from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+from vllm_mlx_mtp_routing.text_engine.state import TextRequest
 
 PREFILL = 16  # prompts span several chunks; snapshot positions fall inside chunks
 MB = 1 << 20
@@ -266,3 +268,50 @@ def test_a_long_prefill_leaves_progress_snapshots_at_fixed_positions(tiny, monke
     other = prompt[:50] + _tokens(30, 14)
     (out,), _ = run(bundle, tok, [(0, other, SamplingOptions(max_tokens=8))], cache=cache)
     assert out.cached_tokens == 48 and out.token_ids == cold(bundle, tok, other, 8)
+
+
+def test_a_later_turn_takes_no_message_snapshot_just_past_its_hit(tiny):
+    """A later turn whose last message starts a few tokens past its hit is prefilled without a cut there (a request
+    resuming at that message resumes at the hit instead); one further on keeps its snapshot. Outputs equal cold."""
+    bundle, tok = tiny
+    cache = _cache(bundle)
+    first = SYSTEM + HISTORY + U1
+    run(bundle, tok, [(0, first, SamplingOptions(max_tokens=4))], cache=cache)
+    reply = _tokens(5, 11)
+    near = len(first) + len(reply)  # the next message's start: 5 tokens past the hit at len(first) - 1
+    far_reply = _tokens(40, 12)
+    far = len(first) + len(far_reply)
+    for prompt, at, kept in [(first + reply + U2, near, False), (first + far_reply + U3, far, True)]:
+        (out,), _ = run(bundle, tok, [(0, prompt, SamplingOptions(max_tokens=6), [(at, "message")])], cache=cache)
+        assert out.cached_tokens == len(first) - 1
+        assert (cache.tree.get(prompt, at) is not None) is kept
+        assert out.token_ids == cold(bundle, tok, prompt, 6)
+
+
+def test_end_of_prompt_and_generation_snapshots_are_taken_once_the_output_is_delivered(tiny):
+    """The step that gives a row its first token returns it before the end-of-prompt snapshot is copied, and the step
+    that finishes it returns before its end-of-generation snapshot is; the scheduler has work until they are
+    (finish_delivered, or its next step), and the next turn hits them."""
+    bundle, tok = tiny
+    cache = _cache(bundle)
+    sched = BatchScheduler(bundle.model, tok, prefill_step_size=PREFILL, prefix_cache=cache)
+    prompt = SYSTEM + U1
+    sched.add(TextRequest("a", prompt, SamplingOptions(max_tokens=3)))
+    outs: list = []
+    while not sched.running:
+        outs = sched.step()
+    assert [len(o.token_ids) for o in outs] == [1]  # its first token, in the step of its join
+    assert cache.tree.get(prompt, len(prompt) - 1) is None and sched.has_work()
+    sched.finish_delivered()
+    assert cache.tree.get(prompt, len(prompt) - 1) is not None
+    final = None
+    while final is None:
+        final = next((o for o in sched.step() if o.finished), None)
+    tokens = SYSTEM + U1 + final.token_ids
+    assert not sched.running and sched.has_work()
+    assert cache.tree.longest(tokens, len(tokens), space=None).length < len(SYSTEM + U1)
+    sched.finish_delivered()
+    assert not sched.has_work()
+    assert cache.tree.longest(tokens, len(tokens), space=None).length >= len(SYSTEM + U1) + 1
+    (out,), _ = run(bundle, tok, [(0, tokens + U2, SamplingOptions(max_tokens=5))], cache=cache)
+    assert out.cached_tokens >= len(SYSTEM + U1) + 1 and out.token_ids == cold(bundle, tok, tokens + U2, 5)

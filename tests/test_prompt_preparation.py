@@ -14,6 +14,7 @@ import pytest
 from vllm_mlx_mtp_routing.prefix_cache.boundaries import common_tokens, snapshot_positions
 from vllm_mlx_mtp_routing.prefix_cache.shared_tokens import SharedTokens, common_prefix_len, splits_at_added_tokens
 from vllm_mlx_mtp_routing.routing.prompt_preparation import PromptPreparer, prepare_chat
+from vllm_mlx_mtp_routing.routing.token_memo import TokenMemo
 
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen35-trained"
 SYSTEM = "You are a careful assistant for a software team. Answer briefly and cite files by path. " * 4
@@ -118,6 +119,40 @@ def test_a_tokenizer_that_may_match_across_the_cut_takes_the_full_encode(tok):
     ids = list(other.encode(prompt, add_special_tokens=False))
     encode = lambda s: list(other.encode(s, add_special_tokens=False))  # noqa: E731
     assert prepare_chat(other, render, messages, positions=True) == (ids, snapshot_positions(render, encode, messages, prompt, ids))
+
+
+def test_a_later_turn_tokenized_from_the_memo_equals_a_full_tokenization(tok):
+    """Each prompt of a growing conversation (and variants of it that part from the last one anywhere, also inside
+    an added token) tokenized through the memo: the same tokens and snapshot positions as tokenizing it whole, most of
+    its tokens reused; another cache salt reuses nothing."""
+    memo = TokenMemo(tok)
+
+    def render(m):
+        return tok.apply_chat_template(m, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+    def encode(s):
+        return list(tok.encode(s, add_special_tokens=False))
+
+    messages = list(CASES["system+user"])
+    for turn in range(4):
+        messages += [{"role": "assistant", "content": f"Reply {turn}: see src/mod{turn}.py, café ✓"},
+                     {"role": "user", "content": f"Question {turn}: quote <|im_end|> literally? " + LONG[: 40 * turn]}]
+        prompt = render(messages)
+        ids = encode(prompt)
+        before = memo.reused_tokens
+        assert prepare_chat(tok, render, messages, positions=True, memo=memo) == (
+            ids, snapshot_positions(render, encode, messages, prompt, ids))
+        if turn:
+            assert memo.reused_tokens - before > len(ids) // 2
+    rng = random.Random(1)
+    for c in sorted(rng.sample(range(len(prompt)), 30)) + [len(prompt)]:
+        for tail in ("", "<|im_end|>", "x<|im_", "ünï"):
+            text = prompt[:c] + tail
+            got = memo.tokenize(text)
+            assert got.ids == encode(text), (c, tail)
+    salted = memo.reused_tokens
+    assert memo.tokenize(prompt + "z", space="another salt").ids == encode(prompt + "z")
+    assert memo.reused_tokens == salted
 
 
 def test_common_prefix_len():

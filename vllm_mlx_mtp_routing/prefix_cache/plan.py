@@ -4,7 +4,7 @@ The scheduler's call sites (text_engine/batch.py): ``SnapshotPlan.start`` when t
 prefill begins (so requests that arrive together and share an uncached prefix find the snapshot
 the first of them just took: prefill runs one request at a time, oldest first), ``cut`` when it
 sizes a chunk, ``after_chunk`` after each chunk, ``after_abort`` when the request is aborted while it prefills,
-``after_generation`` when the request finishes.
+``after_generation`` when the request finishes (the snapshot itself is taken once its last output is delivered).
 
 A long prefill keeps its progress: besides the chat's own positions, a ``progress`` snapshot every
 ``PROGRESS_TOKENS`` positions (fixed positions, so a prompt's chunks end there alone or batched, resumed or cold;
@@ -15,6 +15,7 @@ and retries resumes there.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ..text_engine.batch_cache import BatchCache
 from ..text_engine.row import Row
@@ -25,6 +26,8 @@ from .snapshot import from_batch_row
 logger = logging.getLogger("vllm_mlx_mtp_routing.prefix_cache")
 
 PROGRESS_TOKENS = 4096
+# A message snapshot this close past a hit is not worth a chunk cut: a request resuming there resumes at the hit instead.
+MESSAGE_MIN_GAIN = 32
 
 
 class SnapshotPlan:
@@ -55,7 +58,7 @@ class SnapshotPlan:
                 if pos > restored:
                     positions[pos] = "progress"
         for pos, kind in seq.req.snapshot_at:
-            if restored < pos <= to_prefill:
+            if restored < pos <= to_prefill and not (kind == "message" and restored and pos - restored < MESSAGE_MIN_GAIN):
                 positions[pos] = kind
         if restored < to_prefill:
             positions.setdefault(to_prefill, "prompt")
@@ -72,13 +75,21 @@ class SnapshotPlan:
                 return p
         return end
 
-    def after_chunk(self, seq: Row, n: int) -> None:
+    def after_chunk(self, seq: Row, n: int) -> Callable[[], None] | None:
+        """Snapshot where the plan wants one. At the end of the prompt the caches are not written again (the row joins
+        the batch from them), so that snapshot is returned to be taken once the step's outputs are delivered: the
+        row's first token does not wait for it."""
         if self.cache is None:
-            return
+            return None
         self.cache.count_prefilled(n)
         kind = self.positions.get(seq.prefilled)
-        if kind is not None:
-            self._save(seq, kind)
+        if kind is None:
+            return None
+        if seq.prefilled == seq.to_prefill and seq.prefill is not None:
+            state, at = seq.prefill, seq.prefilled
+            return lambda: self._save(seq, kind, state, at)
+        self._save(seq, kind)
+        return None
 
     def after_abort(self, seq: Row) -> None:
         """Keep what an aborted dense prefill did (its caches end on a chunk end), unless a snapshot is there."""
@@ -90,28 +101,40 @@ class SnapshotPlan:
             return
         self._save(seq, "progress")
 
-    def _save(self, seq: Row, kind: str) -> None:
-        assert self.cache is not None and seq.prefill is not None  # seq.prefilled > 0: snapshot positions are past 0
+    def _save(self, seq: Row, kind: str, state: PrefillState | None = None, at: int | None = None) -> None:
+        state = state if state is not None else seq.prefill
+        assert self.cache is not None and state is not None  # seq.prefilled > 0: snapshot positions are past 0
         try:
-            self.cache.save(seq.req.cache_ids, kind, seq.prefill, seq.req.cache_salt)
+            self.cache.save(seq.req.cache_ids, kind, state, seq.req.cache_salt)
         except Exception:  # a snapshot is an optimisation: the request goes on without it
-            logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled, seq.rid)
+            logger.exception("prefix cache: snapshot at %d failed for %s", seq.prefilled if at is None else at, seq.rid)
 
     @staticmethod
-    def after_generation(cache: PrefixCache, seq: Row, batch: BatchCache, i: int) -> None:
+    def after_generation(cache: PrefixCache, seq: Row, batch: BatchCache, i: int) -> Callable[[], None] | None:
         """Keep a finished row's state (prompt + generated tokens but the last; all of them when a step launched ahead
         already fed the last one): the next turn of a conversation renders this reply into its prompt. Backbone only:
-        with MTP, a hit on it restores no head state and the head skips those positions (only acceptance can suffer)."""
+        with MTP, a hit on it restores no head state and the head skips those positions (only acceptance can suffer).
+
+        The row's caches are taken now (lazily, before it leaves the batch); the returned call copies them into the
+        cache, which the scheduler runs once the row's last output is delivered (its client does not wait for it)."""
         held = batch.lengths()[i]
         tokens = [*seq.req.cache_ids, *seq.token_ids]
         if held > len(tokens) or held <= len(seq.req.prompt_ids) - 1:
-            return
+            return None
         # A whole prompt marked as a system prefix (a --warm-prompts entry) keeps that class.
         whole = any(kind == "system" and pos >= len(seq.req.prompt_ids) - 1 for pos, kind in seq.req.snapshot_at)
         try:
             # A media row's M-RoPE delta is its request's: the next turn's row takes it from its own images again.
             shift = seq.req.media.rope_delta if seq.req.media is not None else 0
             state = PrefillState(backbone=from_batch_row(batch.layers, i, shift), prefilled=held)
-            cache.save(tokens, "system" if whole else "generation", state, seq.req.cache_salt)
         except Exception:
             logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)
+            return None
+
+        def save() -> None:
+            try:
+                cache.save(tokens, "system" if whole else "generation", state, seq.req.cache_salt)
+            except Exception:
+                logger.exception("prefix cache: end-of-generation snapshot failed for %s", seq.rid)
+
+        return save

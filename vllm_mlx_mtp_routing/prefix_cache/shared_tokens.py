@@ -64,6 +64,16 @@ class SharedTokens:
                     self._ends.append(encoding.token_to_chars(i).end)
                     self._next.append(i + 1)
 
+    @classmethod
+    def of_added(cls, prompt: str, ids: Sequence[int], added_ends: list[int], added_next: list[int],
+                 encode: Callable[[str], list[int]]) -> SharedTokens:
+        """From the prompt's added tokens already found (the char end of each and the index of the token after it;
+        empty for a tokenizer that ``splits_at_added_tokens`` does not accept)."""
+        out = cls.__new__(cls)
+        out.prompt, out.ids, out.encode = prompt, ids, encode
+        out._ends, out._next = added_ends, added_next
+        return out
+
     def __call__(self, text: str) -> int:
         agree = common_prefix_len(text, self.prompt)
         k = bisect_right(self._ends, agree) - 1

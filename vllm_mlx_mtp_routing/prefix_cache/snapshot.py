@@ -126,9 +126,10 @@ def _join_kv(parts: list[KVSegment]) -> KVCache:
             keys.append(p.keys)
             values.append(p.values)
     if keys:
-        # concatenate (or, for one segment, a slice) gives new array objects: see the docstring.
-        c.keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0][...]
-        c.values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0][...]
+        # New array objects (see the docstring), with one allocation step of room after the restored positions: the
+        # suffix's first chunk then writes in place, where a buffer holding exactly the prefix is copied whole to grow.
+        c.keys, c.values = (mx.concatenate([*xs, mx.zeros((*xs[0].shape[:2], KVCache.step, xs[0].shape[3]), xs[0].dtype)],
+                                           axis=2) for xs in (keys, values))
         c.offset = pos
     return c
 

@@ -345,7 +345,8 @@ class RoutingEngine(EngineDecorator):
         positions = text.engine.prefix_cache is not None
         if text.prompts is None:
             return prepare_chat(tokenizer, render, messages, positions=positions, context_tokens=context)
-        return await text.prompts.chat(render, messages, positions=positions, context_tokens=context)
+        return await text.prompts.chat(render, messages, positions=positions, context_tokens=context,
+                                       space=call.plugin.get("cache_salt"))
 
     def _fit_context(self, prompt_tokens: int, options: dict[str, Any]) -> None:
         """400 before any prefill when the prompt alone cannot fit the model's context; a max_tokens that overflows it

@@ -19,6 +19,8 @@ import numpy as np
 from ..host import engine_access as host
 from ..plugin_api.errors import RequestRejected
 from ..text_engine.state import MediaInput
+from . import image_memo
+from .image_memo import ImageMemo, ProcessedImage
 from .prompt_preparation import Marks, prepare_chat
 
 
@@ -60,14 +62,32 @@ def expanded_marks(marks: Marks, placeholder_ids: list[int], image_token_id: int
 
 def prepare_media_chat(
     processor: Any, render: Callable[[list[dict[str, Any]], int], str], messages: list[dict[str, Any]], *,
-    image_token_id: int, merge: int, positions: bool = False,
+    image_token_id: int, merge: int, positions: bool = False, images: ImageMemo | None = None,
 ) -> MediaPrompt:
     """The prompt and images of a chat with image parts and, with ``positions``, where it is worth a prefix-cache
-    snapshot; RequestRejected (400) for an image that cannot be read."""
-    images, _, _ = host.media_references(messages)
-    prompt = render(messages, len(images))
+    snapshot; RequestRejected (400) for an image that cannot be read. ``images``: images processed before (the
+    caller's thread's own), which a request that resends all of its images takes instead of the processor's work."""
+    references, _, _ = host.media_references(messages)
+    prompt = render(messages, len(references))
+    keys = [image_memo.key_of(ref) for ref in references] if images is not None else []
+    placeholder_ids: list[int] | None = None
+    found: Marks = []
+    if positions or images is not None:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        placeholder_ids, found = prepare_chat(
+            tokenizer, lambda m: render(m, len(host.media_references(m)[0])), messages, positions=positions
+        )
+    known = images.get(keys) if images is not None else None
+    if known is not None and placeholder_ids is not None:
+        grid = [image.grid for image in known]
+        counts = [t * h * w // (merge * merge) for t, h, w in grid]
+        ids = image_memo.expand_placeholders(placeholder_ids, image_token_id, counts)
+        if ids is not None:
+            pixel_values = mx.array(np.concatenate([image.pixels for image in known]))
+            media = MediaInput(pixel_values, grid, image_spans(ids, image_token_id, counts), [image.digest for image in known])
+            return MediaPrompt(ids, media, expanded_marks(found, placeholder_ids, image_token_id, counts))
     files = []
-    for n, ref in enumerate(images):
+    for n, ref in enumerate(references):
         try:
             files.append(host.load_image(ref))
         except Exception as exc:  # the client's image: its own 400
@@ -80,17 +100,17 @@ def prepare_media_chat(
     grid = [(int(t), int(h), int(w)) for t, h, w in np.asarray(inputs["image_grid_thw"]).reshape(-1, 3)]
     pixels = inputs["pixel_values"]
     pixel_values = pixels if isinstance(pixels, mx.array) else mx.array(np.asarray(pixels))
-    spans = image_spans(ids, image_token_id, [t * h * w // (merge * merge) for t, h, w in grid])
-    digests, row = [], 0
+    counts = [t * h * w // (merge * merge) for t, h, w in grid]
+    spans = image_spans(ids, image_token_id, counts)
+    digests, rows, row = [], [], 0
     flat = np.asarray(pixel_values)
     for t, h, w in grid:
-        digests.append(hashlib.sha256(np.ascontiguousarray(flat[row : row + t * h * w]).tobytes()).digest())
+        rows.append(np.ascontiguousarray(flat[row : row + t * h * w]))
+        digests.append(hashlib.sha256(rows[-1].tobytes()).digest())
         row += t * h * w
-    marks: Marks = []
-    if positions:
-        tokenizer = getattr(processor, "tokenizer", processor)
-        placeholder_ids, found = prepare_chat(
-            tokenizer, lambda m: render(m, len(host.media_references(m)[0])), messages, positions=True
-        )
-        marks = expanded_marks(found, placeholder_ids, image_token_id, [e - s for s, e in spans])
+    if images is not None and placeholder_ids is not None:
+        images.check(ids, image_memo.expand_placeholders(placeholder_ids, image_token_id, counts))
+        for key, pixels_of, g, digest in zip(keys, rows, grid, digests):
+            images.put(key, ProcessedImage(pixels_of.copy(), g, digest))
+    marks = expanded_marks(found, placeholder_ids, image_token_id, counts) if positions and placeholder_ids is not None else []
     return MediaPrompt(ids, MediaInput(pixel_values, grid, spans, digests), marks)

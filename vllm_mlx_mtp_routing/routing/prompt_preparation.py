@@ -24,6 +24,8 @@ from typing import Any
 from ..plugin_api.errors import RequestRejected
 from ..prefix_cache.boundaries import snapshot_positions
 from ..prefix_cache.shared_tokens import SharedTokens
+from .image_memo import ImageMemo
+from .token_memo import TokenMemo
 
 logger = logging.getLogger("vllm_mlx_mtp_routing.routing")
 
@@ -60,20 +62,28 @@ def check_length(tokenizer: Any, prompt: str, context_tokens: int | None) -> Non
 
 def prepare_chat(
     tokenizer: Any, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool,
-    context_tokens: int | None = None,
+    context_tokens: int | None = None, memo: TokenMemo | None = None, space: str | None = None,
 ) -> tuple[list[int], Marks]:
     """The prompt's tokens and, with ``positions``, where it is worth a prefix-cache snapshot; RequestRejected(400)
-    for a prompt far past ``context_tokens`` (``check_length``)."""
+    for a prompt far past ``context_tokens`` (``check_length``). ``memo``: earlier prompts, whose tokens a prompt that
+    repeats their text reuses (``TokenMemo``, the caller's thread's own), those of the same ``space`` (cache salt)."""
     prompt = render(messages)
     check_length(tokenizer, prompt, context_tokens)
-    encoding = tokenizer(prompt, add_special_tokens=False)
-    ids = list(encoding["input_ids"])
-    if not positions:
-        return ids, []
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    if memo is not None:
+        tokenized = memo.tokenize(prompt, space)
+        ids = tokenized.ids
+        if not positions:
+            return list(ids), []
+        shared = SharedTokens.of_added(prompt, ids, tokenized.added_ends, tokenized.added_next, encode)
+        return list(ids), snapshot_positions(render, encode, messages, prompt, ids, shared_tokens=shared)
+    encoding = tokenizer(prompt, add_special_tokens=False)
+    ids = list(encoding["input_ids"])
+    if not positions:
+        return ids, []
     shared = SharedTokens(tokenizer, prompt, ids, encoding, encode)
     return ids, snapshot_positions(render, encode, messages, prompt, ids, shared_tokens=shared)
 
@@ -88,6 +98,8 @@ class PromptPreparer:
         self.tokenizer = copy.deepcopy(tokenizer)  # the worker's own (see the module's docstring)
         # The VLM's processor (media prompts), the worker's own copy too: it holds a tokenizer.
         self.processor = copy.deepcopy(processor) if processor is not None else None
+        self.memo = TokenMemo(self.tokenizer)  # used on the worker thread only
+        self.images = ImageMemo()  # likewise
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-prompt")
 
     @classmethod
@@ -106,13 +118,15 @@ class PromptPreparer:
 
     async def chat(
         self, render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], *, positions: bool,
-        context_tokens: int | None = None,
+        context_tokens: int | None = None, space: str | None = None,
     ) -> tuple[list[int], Marks]:
-        return await self._run(prepare_chat, self.tokenizer, render, messages, positions=positions, context_tokens=context_tokens)
+        return await self._run(prepare_chat, self.tokenizer, render, messages, positions=positions, context_tokens=context_tokens,
+                               memo=self.memo, space=space)
 
     async def media(self, prepare: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``prepare(processor, *args, **kwargs)`` on the worker, with its copy of the processor."""
-        return await self._run(prepare, self.processor, *args, **kwargs)
+        """``prepare(processor, *args, images=..., **kwargs)`` on the worker, with its copy of the processor and its
+        memo of processed images."""
+        return await self._run(prepare, self.processor, *args, images=self.images, **kwargs)
 
     async def raw(self, prompt: str, context_tokens: int | None = None) -> list[int]:
         return await self._run(prepare_raw, self.tokenizer, prompt, context_tokens)

@@ -226,3 +226,7 @@ class TextEngine:
                 self._deliver(out)
             for _ in range(_YIELDS_PER_STEP):
                 await asyncio.sleep(0)
+            try:  # once the streams have written this step's outputs
+                self.scheduler.finish_delivered()
+            except Exception:
+                logger.exception("text engine: work after a step's delivery failed")

@@ -150,12 +150,14 @@ class _Launched:
     sampled: mx.array  # [B]
     logits: mx.array  # [B, V]
     samplers: list[RowSampler]
+    read: bool = False  # its tokens were read when it was launched (see decode_ahead)
 
     def take(self, keep: list[int]) -> _Launched | None:
         if not keep:
             return None
         idx = mx.array(keep, dtype=mx.int32)
-        return _Launched([self.rows[i] for i in keep], self.sampled[idx], self.logits[idx], [self.samplers[i] for i in keep])
+        rows, samplers = [self.rows[i] for i in keep], [self.samplers[i] for i in keep]
+        return _Launched(rows, self.sampled[idx], self.logits[idx], samplers, self.read)
 
 
 class ModelRunner:
@@ -308,15 +310,25 @@ class ModelRunner:
         While the device runs the new step the scheduler reads, streams and plans (mlx-lm's ``BatchGenerator`` and the
         host's batch generator pipeline their steps the same way). The arithmetic is the serial step's, so outputs are
         the same. A row that finishes with the earlier step has its token of the new step dropped when it leaves, and
-        its caches then hold its last token too (prefix_cache.plan keeps such a row's state as such)."""
+        its caches then hold its last token too (prefix_cache.plan keeps such a row's state as such).
+
+        With no step in flight (the batch was empty, or decoded serially) the step is read at once, so a first token
+        waits for no later launch; the next call then launches two steps and reads the first, filling the pipeline."""
+        rows = self._rows(plan)
         before = self._launched
-        self._launched = self._launch(self._rows(plan), before)
-        return self._read(before) if before is not None else None
+        self._launched = launched = self._launch(rows, before)
+        if before is None:
+            launched.read = True
+            return self._read(launched)
+        if before.read:
+            self._launched = self._launch(rows, launched)
+            return self._read(launched)
+        return self._read(before)
 
     def settle(self) -> tuple[list[Row], DecodeResult] | None:
         """Read the step ``decode_ahead`` launched last, launching none (before a serial step)."""
         before, self._launched = self._launched, None
-        return self._read(before) if before is not None else None
+        return self._read(before) if before is not None and not before.read else None
 
     def _launch(self, rows: list[Row], before: _Launched | None) -> _Launched:
         """A plain step of ``rows`` started on the device (``mx.async_eval``), its inputs from ``before`` where given."""

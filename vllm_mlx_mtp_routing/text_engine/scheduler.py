@@ -126,6 +126,7 @@ class BatchScheduler:
         self.shared_prefill_rows = 0  # rows that started from another row's prefill (OpenAI n)
         self.batch_size_histogram: dict[int, int] = {}
         self.profile = StepProfile()
+        self._after_delivery: list[Callable[[], None]] = []  # snapshots taken after delivery (finish_delivered)
 
     @property
     def batch(self) -> DecodeBatch:
@@ -181,7 +182,14 @@ class BatchScheduler:
         return row.output("abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._after_delivery)
+
+    def finish_delivered(self) -> None:
+        """The work that waited until the last step's outputs were delivered (the text engine calls it then; a step
+        runs it first): end-of-prompt and end-of-generation snapshots, which no client need wait for."""
+        jobs, self._after_delivery = self._after_delivery, []
+        for job in jobs:
+            job()
 
     def _find(self, request_id: str) -> Row | None:
         for group in (self.running, self.prefilling, self.waiting):
@@ -194,6 +202,9 @@ class BatchScheduler:
 
     def step(self) -> list[TextOutput]:
         """Admit, prefill up to one budget, join, decode the batch once; outputs of this step."""
+        self.finish_delivered()
+        if not (self.waiting or self.prefilling or self.running):
+            return []
         outputs: list[TextOutput] = []
         record = self.profile.begin(self.steps)
         try:
@@ -316,8 +327,10 @@ class BatchScheduler:
             self.images_encoded += 1
         elif isinstance(work, PrefillChunk) and work.completes:
             self.prompt_tokens += work.positions
-            if work.row.plan is not None:  # a snapshot where the plan wants one
-                work.row.plan.after_chunk(work.row, work.positions)
+            if work.row.plan is not None:  # a snapshot where the plan wants one (the prompt's end: after delivery)
+                later = work.row.plan.after_chunk(work.row, work.positions)
+                if later is not None:
+                    self._after_delivery.append(later)
 
     def _fail_prefill(self, row: Row, error: BaseException) -> TextOutput:
         self.prefilling.remove(row)
@@ -391,7 +404,9 @@ class BatchScheduler:
             if row.finish_reason:
                 finished.append(row)
                 if self.prefix_cache is not None:
-                    SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, self.running.index(row))
+                    save = SnapshotPlan.after_generation(self.prefix_cache, row, self.cache, self.running.index(row))
+                    if save is not None:
+                        self._after_delivery.append(save)
         if finished:
             self._drop_rows(finished)
         return outputs

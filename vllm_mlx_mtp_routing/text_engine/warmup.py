@@ -138,6 +138,7 @@ def _rehearse(
             rehearsal.abort(row.rid)
     if rehearsal.prefix_cache is None:
         return verified, seconds, (0, 0)
+    rehearsal.finish_delivered()  # the last end-of-generation snapshot
     counts = rehearsal.prefix_cache.saved, rehearsal.prefix_cache.hits
     rehearsal.prefix_cache.clear()
     return verified, seconds, counts
