@@ -8,6 +8,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   device.
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
+- ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
+  CPU only until measured on a GPU (``compiled_decode_devices``).
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
 """
 
@@ -19,8 +21,9 @@ import mlx.nn as nn
 
 from ..backbone import FusedGatedDeltaNet
 from ..mlx_lm_internals import Attention, GatedDeltaNet
+from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
-from .device import on_cuda
+from .device import kind, on_cuda
 from .grouped_attention import GroupedAttention
 from .skinny_matmul import SkinnyLinear
 
@@ -33,6 +36,11 @@ class Swapped:
     grouped_attention: int
     skinny_matmul: int
     float32_experts: int = 0
+    compiled_decode: int = 0
+
+
+# Where the gated-delta layers' one-token step runs compiled: where it was measured to take less CPU per step.
+compiled_decode_devices = {"cpu"}
 
 
 def use_fused_recurrence(model: nn.Module) -> int:
@@ -79,4 +87,6 @@ def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
     grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
-    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts)
+    compiled = use_compiled_decode(model) if kind() in compiled_decode_devices else 0
+    return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
+                   compiled_decode=compiled)
