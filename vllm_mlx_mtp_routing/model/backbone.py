@@ -85,10 +85,10 @@ def _recurrence_fused(
     lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
     mask: mx.array | None = None,
 ) -> tuple[mx.array, list[mx.array]]:
-    """CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept; the CPU: the
-    positions as one compiled graph (fewer ops per verify, the same arithmetic); Metal: mlx-lm's kernel per position."""
+    """CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept;
+    elsewhere mlx-lm's loop."""
     if lin.training or not on_cuda():
-        return _recurrence_compiled(lin, q, k, v, a, b, state, mask)
+        return _recurrence_loop(lin, q, k, v, a, b, state, mask)
     y, states = gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state,
                                   mask=mask, capture=True)
     return y, [states[:, t] for t in range(q.shape[1])]
@@ -130,7 +130,7 @@ def _recurrence_compiled(
 
 # The verify's recurrence, by name; ``use_recurrence`` swaps it (benchmarks compare them in one
 # process; another kernel with the same signature slots in the same way). "fused" is the default:
-# the CUDA kernel where it runs, "compiled" on the CPU, mlx-lm's loop on Metal. "compiled_layer": the default recurrence
+# the CUDA kernel where it runs, mlx-lm's loop elsewhere. "compiled_layer": the default recurrence
 # inside the verify's whole gated-delta layer, compiled as one graph.
 RECURRENCES: dict[str, Recurrence] = {
     "fused": _recurrence_fused, "loop": _recurrence_loop, "compiled": _recurrence_compiled,
