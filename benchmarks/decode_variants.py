@@ -6,6 +6,8 @@ not (a GPU), or again:
 
 - ``compiled_decode``: plain steps, the gated-delta decoder layers' compiled one-token step
   (model/kernels/compiled_decode.py) against mlx-lm's layer;
+- ``compiled_verify``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the verify's gated-delta
+  decoder layers compiled (the same swap) against the package's uncompiled verify layer;
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
   started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
 
@@ -40,7 +42,7 @@ from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
-OPTIONS = ("compiled_decode", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
@@ -55,7 +57,7 @@ def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) ->
 
 
 def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
-    if option == "compiled_decode":
+    if option in ("compiled_decode", "compiled_verify"):
         for layer in model.model.layers:
             if layer.is_linear:
                 layer.__class__ = CompiledDecoderLayer if on else DecoderLayer
@@ -74,7 +76,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option == "launch_early"
+    mtp = option != "compiled_decode"
     scheds = {on: scheduler(model, head, tok, rows, B, mtp) for on in (False, True)}
     for on in (False, True):  # warm-up: each side's kernels compiled, its graphs traced
         switch(option, model, scheds[on], on)

@@ -1,9 +1,10 @@
 """The gated-delta decoder layer's compiled one-token step (model/kernels/compiled_decode.py).
 
 fp32 tiny Qwen3.5: the compiled layer gives, bit for bit, the output and the [conv, recurrent] state of mlx-lm's own
-layer, step after step, alone and in a batch; the engine on the plugin's text model (compiled layers) decodes the
-tokens mlx-lm's ``stream_generate`` decodes on the host's (uncompiled) text model; calls the compiled step does not
-serve (a prompt chunk, a masked or length-tracking cache) run mlx-lm's call.
+layer, step after step, alone and in a batch; the verify's compiled layer gives the uncompiled verify's logits and
+captured states, through a rollback; the engine on the plugin's text model (compiled layers) decodes the tokens
+mlx-lm's ``stream_generate`` decodes on the host's (uncompiled) text model; calls the compiled step does not serve (a
+prompt chunk, a masked or length-tracking cache) run mlx-lm's call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 
 from scheduling import run_schedule
+from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, DecoderLayer
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
@@ -48,6 +50,34 @@ def test_the_compiled_step_is_mlx_lms_layer_bit_for_bit(tiny, batch):
         assert mx.array_equal(got, want).item()
         assert all(mx.array_equal(a, b).item() for a, b in zip(ours.state, ref.state))
     assert layer.__dict__.get("_step") is not None  # the compiled step ran
+
+
+def test_the_compiled_verify_is_the_uncompiled_verify_through_rollbacks(tiny):
+    bundle, _ = tiny
+    model = bundle.model
+    linear = _linear_layers(model)
+
+    def run(compiled: bool) -> list:
+        for layer in linear:
+            layer.__class__ = CompiledDecoderLayer if compiled else DecoderLayer
+        cache = model.make_cache()
+        model(mx.array([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]]), cache=cache)
+        seen = []
+        for t, keep in enumerate([[1, 2], [2, 1], [1, 1]]):
+            logits, hidden, captured = backbone_forward(model, mx.array([[10 + t, 20 + t], [30 + t, 40 + t]]), cache,
+                                                        capture=True)
+            rollback_rows(cache, captured, keep, 2)
+            mx.eval(logits, hidden, [c.state for c in cache])
+            seen += [logits, hidden, *[a for c in cache for a in c.state]]
+        return seen
+
+    try:
+        want, got = run(False), run(True)
+    finally:
+        for layer in linear:
+            layer.__class__ = CompiledDecoderLayer
+    assert len(want) == len(got) and all(mx.array_equal(a, b).item() for a, b in zip(want, got))
+    assert all(layer.__dict__.get("_verify_steps") for layer in linear)  # the compiled verify ran
 
 
 def test_calls_the_step_does_not_serve_run_mlx_lms_layer(tiny):
