@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--flags", default="", help="extra serve flags for both servers")
     ap.add_argument("--plugin-flags", default="", help="extra serve flags for the plugin's server")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--server-cmd", default=None, help="replaces the `vllm-mlx` console script (e.g. the GPU launcher)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -75,7 +77,9 @@ def main() -> None:
     results: dict = {"device": str(mx.default_device()), "host": platform.node(), "model": str(args.model),
                      "flags": variants, "commit": os.environ.get("BENCH_COMMIT", ""), "lengths": {}}
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(serve(args.model, *flags, log_dir=log_dir, startup_timeout=args.timeout))
+        command = shlex.split(args.server_cmd) if args.server_cmd else None
+        servers = {name: stack.enter_context(serve(args.model, *flags, log_dir=log_dir, startup_timeout=args.timeout,
+                                                   command=command))
                    for name, flags in variants.items()}
         for server in servers.values():  # first-use costs out of the way
             ask(server.url, server.model, "warm up", args.timeout, server.proc.pid)

@@ -116,3 +116,76 @@ def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
         r = row[name]
         assert 0 < r["acceptance"] <= 1 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"], rel=0.02)
     assert row["aon_a0.8"]["acceptance"] <= row["mtp_a0.8"]["acceptance"]
+
+
+def test_decode_loops_smoke(tmp_path: Path) -> None:
+    """The decode-loop benchmark at the tiny MoE shape on the CPU: every loop times its steps on the same model, the
+    bound counts the experts a step touched, MTP runs against plain at forced acceptance."""
+    import decode_loops as DL
+
+    out = tmp_path / "loops.json"
+    assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
+                    "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-tokens", "4", "--mtp-rounds", "1",
+                    "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["versions"]["mlx_lm"] and res["device_busy"].startswith("n/a: MLX runs on the CPU")
+    [shape] = res["shapes"]
+    one, two = shape["rows"]
+    assert (one["batch"], two["batch"]) == (1, 2) and "generate_step" in one and "generate_step" not in two
+    for row in (one, two):
+        assert all(row[n]["step_ms"] > 0 and row[n]["cpu_ms"] > 0 for n in ("engine", "engine_stock", "batch_generator"))
+        b = row["bytes_per_step"]
+        assert 0 < b["moe_experts_touched"] < b["weights"] < b["total"] and row["bandwidth_bound_ms"] > 0
+    # 2 experts of 8 per token: one row touches 2 per layer, two rows 2-4
+    assert one["moe_distinct_experts_per_layer"] == 2 and 2 <= two["moe_distinct_experts_per_layer"] <= 4
+    # MTP against plain under the dispatch the build measured and under mlx-lm's rule
+    assert [m["dispatch"] for m in shape["mtp"]] == ["measured", "mlx-lm"] and shape["moe_dispatch"]["sort_at"]
+    for mtp in shape["mtp"]:
+        assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1
+
+
+def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lib/device_busy.py over a stand-in for cupti-python: records outside a window are dropped, overlapping work
+    counts once, work crossing the window's edges counts inside it only, and kernels are counted."""
+    import types
+
+    from lib import device_busy
+
+    from vllm_mlx_mtp_routing.model.kernels import device
+
+    class Kind:
+        CONCURRENT_KERNEL, MEMCPY, MEMSET = 10, 1, 2
+
+    pending: list[types.SimpleNamespace] = []
+    clock = [0]
+    fake = types.SimpleNamespace(ActivityKind=Kind, callbacks=None)
+    fake.activity_register_callbacks = lambda requested, completed: setattr(fake, "callbacks", (requested, completed))
+    fake.activity_enable = lambda kind: None
+    fake.get_timestamp = lambda: clock[0]
+
+    def flush(flag: int) -> None:
+        fake.callbacks[1](list(pending))
+        pending.clear()
+
+    fake.activity_flush_all = flush
+    monkeypatch.setitem(sys.modules, "cupti", types.SimpleNamespace(cupti=fake))
+    monkeypatch.setattr(device, "kind", lambda: "cuda")
+    busy = device_busy.DeviceBusy()
+    assert busy.available() and busy.why is None
+
+    def run(kind: int, start: int, end: int) -> None:
+        pending.append(types.SimpleNamespace(kind=kind, start=start, end=end))
+
+    run(Kind.CONCURRENT_KERNEL, 0, 50)  # before the window: dropped by the flush in start()
+    clock[0] = 100
+    busy.start()
+    run(Kind.CONCURRENT_KERNEL, 90, 120)  # crosses the start: 20 inside
+    run(Kind.CONCURRENT_KERNEL, 130, 170)
+    run(Kind.MEMCPY, 150, 180)  # overlaps the kernel: +10
+    run(Kind.CONCURRENT_KERNEL, 190, 260)  # crosses the end: 10 inside
+    clock[0] = 200
+    seconds, kernels = busy.stop()
+    assert seconds == pytest.approx((20 + 40 + 10 + 10) / 1e9) and kernels == 3
+    run(Kind.CONCURRENT_KERNEL, 210, 220)  # after the window: never counted
+    busy.quiesce()
+    assert busy.available()

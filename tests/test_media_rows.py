@@ -194,3 +194,26 @@ def test_second_turn_resumes_past_the_same_image_only(vl):
     last = finish(sched, TextRequest("t3", swapped.ids, SamplingOptions(max_tokens=6), swapped.marks, media=swapped.media))
     assert last.cached_tokens <= swapped.media.spans[0][0]
     assert last.token_ids == alone(vl, swapped, 6)
+
+
+class OneLayer:
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
+        return first + 1
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float:
+        return 0.0
+
+
+def test_image_chunks_in_pieces_of_layers_equal_alone(vl):
+    from vllm_mlx_mtp_routing.text_engine.prefill_budget import ChunkGrid
+
+    red = prepare(vl, chat([data_url((220, 20, 20))], "Describe it."))
+    text = [int(t) for t in mx.random.randint(10, 3000, (9,), key=mx.random.key(5)).tolist()]
+    sched = scheduler(vl, max_num_seqs=3)
+    sched.chunk_grid = ChunkGrid(lambda p: 48)  # chunks that cut inside the image
+    sched.prefill_time_s = (1e-9, 1e-9)
+    sched.layer_pieces = OneLayer()  # one layer per step while the text row decodes
+    pieces, real = [], sched.runner.prefill
+    sched.runner.prefill = lambda work: (pieces.extend(w for w in work if getattr(w, "whole", True) is False), real(work))[1]
+    batched = run(sched, [(0, text, 30), (1, red, 8)])
+    assert pieces and batched[1] == alone(vl, red, 8) and batched[0] == alone(vl, text, 30)

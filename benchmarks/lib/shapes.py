@@ -15,6 +15,25 @@ PRESETS = {
         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
         "vocab_size": 248320, "tie_word_embeddings": True, "full_attention_interval": 4,
     },
+    # Qwen3.5-9B's text shape (its published config: 32 layers, [GDN x3, attention] x8, untied lm_head)
+    "qwen35-9b": {
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320, "tie_word_embeddings": False, "full_attention_interval": 4,
+    },
+    # Qwen3.5-35B-A3B's text shape (its published config): 40 layers, every MLP a sparse MoE block of 256
+    # experts, 8 routed per token plus a shared expert; ~35B parameters, ~3B active per token. In bf16 ~70 GB.
+    "qwen35-35b-a3b": {
+        "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320, "tie_word_embeddings": False, "full_attention_interval": 4,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    },
     # the trained tiny model's shape (models/tiny-qwen35-trained)
     "tiny": {
         "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
@@ -24,6 +43,10 @@ PRESETS = {
         "vocab_size": 4096, "tie_word_embeddings": False, "full_attention_interval": 4,
     },
 }
+# the tiny shape with Qwen3.5-MoE blocks (a CPU check of the MoE paths): 8 experts, 2 routed + a shared one
+PRESETS["tiny-moe"] = {**{k: v for k, v in PRESETS["tiny"].items() if k != "intermediate_size"},
+                       "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                       "shared_expert_intermediate_size": 256, "norm_topk_prob": True}
 COMMON = {
     "model_type": "qwen3_5_text", "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
     "attention_bias": False, "mtp_num_hidden_layers": 1,

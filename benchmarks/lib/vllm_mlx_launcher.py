@@ -11,6 +11,10 @@ of each `--site DIR` (site.addsitedir), then the same entry point as the `vllm-m
 
 MTP_STEP_TRACE=FILE appends one JSON line per text-path MTP step (batch, drafts, milliseconds) and per
 step the adaptive draft policy times (diagnosis of the policy inside a server).
+
+MTP_FORCE_ACCEPTANCE=A makes the text path's verify agree with each draft with probability A (greedy rows; the test
+support's ForcedAcceptance): a model with random weights has a head the backbone never agrees with, so this is how a
+benchmark measures MTP's machinery at a realistic acceptance on a realistic shape. The server reports it as measured.
 """
 
 from __future__ import annotations
@@ -47,6 +51,21 @@ def trace_mtp_steps(path: str) -> None:
     ModelRunner.decode, DraftCosts.record = traced_decode, traced_record
 
 
+def force_acceptance(rate: float) -> None:
+    """Every MTPDecode the server builds accepts with ``rate`` (patched on the class, before the engine exists)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+    from support.forced_acceptance import ForcedAcceptance
+    from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
+
+    init = MTPDecode.__init__
+
+    def forced_init(self, head, *args, **kwargs):
+        kwargs.setdefault("acceptance", ForcedAcceptance(rate))
+        init(self, head, *args, **kwargs)
+
+    MTPDecode.__init__ = forced_init
+
+
 def main(argv: list[str]) -> int:
     rest = list(argv)
     while len(rest) >= 2 and rest[0] == "--site":
@@ -57,6 +76,8 @@ def main(argv: list[str]) -> int:
 
     if os.environ.get("MTP_STEP_TRACE"):
         trace_mtp_steps(os.environ["MTP_STEP_TRACE"])
+    if os.environ.get("MTP_FORCE_ACCEPTANCE"):
+        force_acceptance(float(os.environ["MTP_FORCE_ACCEPTANCE"]))
 
     sys.argv = ["vllm-mlx", *rest]
     return vllm_mlx_main() or 0

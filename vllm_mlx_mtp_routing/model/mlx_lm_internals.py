@@ -14,6 +14,8 @@
   ``Qwen3NextAttention``'s projections, norms and ``rope`` (SpecPrefill rotates kept tokens at their
   own positions; the grouped attention runs its ``__call__`` with the attention call split by row
   length, kernels/grouped_attention.py).
+- ``mlx_lm.models.switch_layers``: ``SwitchGLU`` (the MoE switch whose ``__call__`` kernels/moe_dispatch.py mirrors
+  with the sort chosen per call size) and its ``_gather_sort`` / ``_scatter_unsort``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel, gated_delta_update
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, TextModel, TextModelArgs
 from mlx_lm.models.qwen3_next import Qwen3NextAttention as Attention
+from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 __all__ = [
     "ArraysCache",
@@ -33,6 +36,7 @@ __all__ = [
     "DecoderLayer",
     "GatedDeltaNet",
     "KVCache",
+    "SwitchGLU",
     "TextModel",
     "TextModelArgs",
     "attention_cache_index",
@@ -42,11 +46,15 @@ __all__ = [
     "gated_delta_kernel",
     "gated_delta_step",
     "gated_delta_update",
+    "gather_sort",
+    "scatter_unsort",
     "ssm_cache_index",
 ]
 
 BaseCache = _BaseCache
 gated_delta_step = _gated_delta_step_ops
+gather_sort = _gather_sort
+scatter_unsort = _scatter_unsort
 
 
 def attention_cache_index(model: Any) -> int:

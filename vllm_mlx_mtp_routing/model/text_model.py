@@ -52,7 +52,7 @@ from .checkpoint_layouts import (
     read_config,
     read_drafter_folder,
 )
-from .kernels import swaps
+from .kernels import moe_dispatch, swaps
 from .kernels.cpu_experts import use_float32_experts
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
@@ -403,6 +403,8 @@ def build_text_model(
     if enable_mtp:
         head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
     swapped = swaps.apply(model, head)
+    if swapped.moe_switches:
+        moe_dispatch.measure(model, head)
     if swapped.fused_recurrence:
         logger.info("TextModel: %d gated-delta layers run the fused CUDA recurrence (one launch per call)",
                     swapped.fused_recurrence)

@@ -84,6 +84,8 @@ class SnapshotPlan:
         """Keep what an aborted dense prefill did (its caches end on a chunk end), unless a snapshot is there."""
         if self.cache is None or seq.sparse is not None or seq.prefill is None or seq.prefilled <= 0:
             return
+        if seq.prefill.partial is not None:  # a chunk stopped between layers: its caches end at no one position
+            return
         if seq.prefilled in self.positions or seq.prefilled <= seq.cached_tokens:
             return
         self._save(seq, "progress")

@@ -195,6 +195,7 @@ class ScoringJob:
         self.cache: list[Any] | None = make_prompt_cache(draft)
         self.prefilled = 0  # draft tokens in self.cache
         self.kept: list[int] | None = None
+        self.scores: np.ndarray | None = None  # per-position importance of prompt[start:n-1], once done
 
     @property
     def to_prefill(self) -> int:
@@ -216,7 +217,8 @@ class ScoringJob:
         assert self.cache is not None  # advanced only until done
         if self.prefilled < self.to_prefill:
             chunk = mx.array(self.prompt_ids[self.prefilled : self.prefilled + n], dtype=mx.uint32)[None]
-            self.draft(chunk, cache=self.cache)
+            # The decoder stack only: the prompt's full-vocabulary logits are never read (half an attn-0.5b draft's FLOPs).
+            text_model(self.draft).model(chunk, cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.prefilled += n
             return n
@@ -226,6 +228,7 @@ class ScoringJob:
         region = np.array(scores[self.start :].astype(mx.float32))
         if not np.all(np.isfinite(region)):
             raise FloatingPointError("the draft's attention scores are not finite")
+        self.scores = region  # kept for a caller that selects again at other shares (benchmarks)
         self.kept = select_chunks(region, self.start, self.keep_pct, self.backbone_pct, s.chunk_tokens)
         self.cache = None  # the draft's caches are not needed past scoring
         return n

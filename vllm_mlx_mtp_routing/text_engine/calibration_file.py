@@ -105,6 +105,7 @@ def _budget(entry: Any) -> PrefillBudget | None:
     names = {f.name for f in fields(PrefillBudget)} - {"stored_at"}
     try:
         values = {k: entry["budget"][k] for k in names}
+        values["layer_kinds"] = tuple(bool(k) for k in values["layer_kinds"])  # JSON keeps a list
         return PrefillBudget(**values, stored_at=str(entry["measured_at"]))
     except (KeyError, TypeError, ValueError):
         return None

@@ -53,6 +53,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..model import layered_forward
 from ..model.mlx_lm_internals import KVCache
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class PrefillBudget:
     attention_s: float = 0.0  # c: per chunk token per position it attends to
     probe_depth: int = 0  # where c was measured (0: not measured; chunks do not shrink with the position)
     chunk_exact: bool = False  # the probe found a prompt's state the same whatever its chunks
+    # Per decoder layer, is it full attention: a chunk may then run in pieces of layers across steps (empty: whole)
+    layer_kinds: tuple[bool, ...] = ()
 
     @property
     def target_s(self) -> float:
@@ -118,6 +121,42 @@ class PrefillBudget:
             lo, hi = (mid, hi) if self.chunk_s(mid, position) <= limit else (lo, mid - 1)
         return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
 
+    def layer_s(self, tokens: int, position: int) -> list[float]:
+        """The projected time of each decoder layer of a chunk: its fixed and per-token cost spread evenly over the
+        layers, its attention's cost over the full-attention layers."""
+        kinds = self.layer_kinds or (True,)
+        even = (self.chunk_fixed_s + tokens * self.per_token_s) / len(kinds)
+        attention = self.attention_s * tokens * (position + tokens / 2) / max(sum(kinds), 1)
+        return [even + (attention if full else 0.0) for full in kinds]
+
+    def grid_chunk_at(self, position: int) -> int:
+        """The grid's chunk at ``position`` where a chunk may run in pieces of layers (``layer_kinds``): the largest
+        whose heaviest layer is projected within the limit, at most ``--prefill-step-size`` (the host's chunk), never
+        below ``chunk_at``; else ``chunk_at``."""
+        least = self.chunk_at(position)
+        if len(self.layer_kinds) < 2 or not self.bounded:
+            return least
+        limit = self.chunk_limit_s
+        lo, hi = least, max(least, self.max_chunk_tokens)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if max(self.layer_s(mid, position)) <= limit else (lo, mid - 1)
+        return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
+
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
+        """Where a piece of the chunk of ``tokens`` at ``position`` that starts at layer ``first`` ends: as many layers
+        as are projected within the limit, at least one; ``scale``: measured over projected seconds of recent pieces."""
+        costs, limit = self.layer_s(tokens, position), self.chunk_limit_s / max(scale, 1e-6)
+        end, total = first + 1, costs[first]
+        while end < len(costs) and total + costs[end] <= limit:
+            total += costs[end]
+            end += 1
+        return end
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float:
+        """The projected seconds of layers ``first`` to ``end`` of that chunk."""
+        return sum(self.layer_s(tokens, position)[first:end])
+
     def idle_chunk_at(self, position: int, seconds_per_token: float = 0.0) -> int:
         """The chunk at ``position`` while no row decodes (``chunk_exact`` only): about ``IDLE_CHUNK_S`` at
         ``seconds_per_token`` (the prompt's last chunk, measured; 0: the largest projected within it), a multiple of
@@ -142,7 +181,11 @@ class PrefillBudget:
         """Make ``scheduler`` (a BatchScheduler) prefill in these chunks within these step times."""
         if self.bounded:
             scheduler.prefill_chunk = self.chunk_tokens
-            scheduler.chunk_grid = ChunkGrid(self.chunk_at) if self.attention_s > 0 else None
+            if len(self.layer_kinds) > 1:  # large chunks, run in pieces of layers while rows decode
+                scheduler.chunk_grid = ChunkGrid(self.grid_chunk_at)
+                scheduler.layer_pieces = self
+            else:
+                scheduler.chunk_grid = ChunkGrid(self.chunk_at) if self.attention_s > 0 else None
             scheduler.idle_chunk = self.idle_chunk_at if self.chunk_exact else None
             scheduler.prefill_time_s = (self.ratio, max(IDLE_STEP_S, self.target_s))
 
@@ -150,6 +193,7 @@ class PrefillBudget:
         depths = [1024, 4096, 16384, 65536]
         return {**asdict(self), "target_s": self.target_s, "chunk_limit_s": self.chunk_limit_s,
                 "chunk_at": {str(p): self.chunk_at(p) for p in depths},
+                "grid_chunk_at": {str(p): self.grid_chunk_at(p) for p in depths},
                 "idle_chunk_at": {str(p): self.idle_chunk_at(p) for p in depths} if self.chunk_exact else None}
 
 
@@ -236,18 +280,26 @@ def calibrate(model: nn.Module, *, max_chunk: int, ratio: float, vocab_size: int
     fit = int((target - fixed) / per_token) if target > fixed else 0
     chunk = min(max_chunk, max(MIN_CHUNK, fit // MIN_CHUNK * MIN_CHUNK))
     budget = PrefillBudget(chunk, max_chunk, ratio, decode_s, fixed, per_token, time.perf_counter() - tic, probe_large,
-                           attention_s=attention, probe_depth=depth, chunk_exact=exact)
+                           attention_s=attention, probe_depth=depth, chunk_exact=exact, layer_kinds=_layer_kinds(model))
     budget = replace(budget, chunk_tokens=budget.chunk_at(0))  # its own attention counted too
     logger.info(
-        "mtp-routing: text prefill chunk %d tokens, %d at position 16384 (a decode step %.1f ms; a chunk ~%.1f ms + "
+        "mtp-routing: text prefill chunk %d tokens, %d at position 16384%s (a decode step %.1f ms; a chunk ~%.1f ms + "
         "%.3f ms/token + %.2f us/token/position; target %.1f ms = %g decode steps; --prefill-step-size %d; "
         "measured in %.1f s); %s",
-        budget.chunk_tokens, budget.chunk_at(16384), decode_s * 1e3, fixed * 1e3, per_token * 1e3, attention * 1e6, target * 1e3,
+        budget.grid_chunk_at(0), budget.grid_chunk_at(16384),
+        ", run in pieces of layers while rows decode" if len(budget.layer_kinds) > 1 else "", decode_s * 1e3, fixed * 1e3, per_token * 1e3, attention * 1e6, target * 1e3,
         ratio, max_chunk, budget.calibration_s,
         f"chunking is exact here: a lone prompt's chunk {budget.idle_chunk_at(0)} tokens, {budget.idle_chunk_at(16384)} "
         "at position 16384" if exact else "chunking changes numerics here: every prompt keeps the chunk grid",
     )
     return budget
+
+
+def _layer_kinds(model: nn.Module) -> tuple[bool, ...]:
+    try:
+        return layered_forward.layer_kinds(model)
+    except AttributeError:  # not mlx-lm's decoder stack: whole chunks
+        return ()
 
 
 def chunking_is_exact(model: nn.Module, ids: mx.array) -> bool:

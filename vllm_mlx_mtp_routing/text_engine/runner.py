@@ -23,6 +23,7 @@ from typing import cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..model import layered_forward
 from ..model.backbone import backbone_forward
 from ..model.media_forward import VisionParts, media_forward
 from .batch_cache import BatchCache
@@ -55,6 +56,27 @@ def prefill_forward(model: nn.Module, proposer: MTPProposer | None, tokens: mx.a
     state.prefilled += tokens.shape[1]
 
 
+def media_embeddings(model: nn.Module, media: MediaInput, tokens: mx.array, start: int) -> mx.array:
+    """The input embeddings of ``tokens`` (a media prompt's from ``start``): each image's features in place of its
+    tokens."""
+    end = start + tokens.shape[1]
+    embedded = model.model.embed_tokens(tokens)
+    pieces, at = [], start
+    for j, (s, e) in enumerate(media.spans):
+        if s >= end or e <= start:
+            continue
+        lo, hi = max(s, start), min(e, end)
+        pieces += [embedded[:, at - start : lo - start], media.features[j][None, lo - s : hi - s].astype(embedded.dtype)]
+        at = hi
+    return mx.concatenate([*pieces, embedded[:, at - start :]], axis=1) if pieces else embedded
+
+
+def _release_features(media: MediaInput, end: int) -> None:
+    for j, (_, e) in enumerate(media.spans):  # an image wholly prefilled needs its features no more
+        if e <= end:
+            media.features.pop(j, None)
+
+
 def media_prefill_forward(
     model: nn.Module, vision: VisionParts, proposer: MTPProposer | None, prompt_ids: list[int], media: MediaInput,
     end: int, state: PrefillState,
@@ -64,15 +86,7 @@ def media_prefill_forward(
     assert state.backbone is not None and media.position_ids is not None  # made by the runner
     start = state.prefilled
     tokens = mx.array(prompt_ids[start:end], dtype=mx.uint32)[None]
-    embedded = model.model.embed_tokens(tokens)
-    pieces, at = [], start
-    for j, (s, e) in enumerate(media.spans):
-        if s >= end or e <= start:
-            continue
-        lo, hi = max(s, start), min(e, end)
-        pieces += [embedded[:, at - start : lo - start], media.features[j][None, lo - s : hi - s].astype(embedded.dtype)]
-        at = hi
-    embeddings = mx.concatenate([*pieces, embedded[:, at - start :]], axis=1) if pieces else embedded
+    embeddings = media_embeddings(model, media, tokens, start)
     mode = proposer.hidden_state_mode if proposer is not None else "post_norm"
     hidden = media_forward(model, vision.rotaries, embeddings, media.position_ids[:, :, start:end], state.backbone, mode)
     arrays: list = [c.state for c in state.backbone]
@@ -83,9 +97,49 @@ def media_prefill_forward(
             proposer.skip_prefill_chunk(state)
     mx.eval(arrays)
     state.prefilled = end
-    for j, (_, e) in enumerate(media.spans):  # an image wholly prefilled needs its features no more
-        if e <= end:
-            media.features.pop(j, None)
+    _release_features(media, end)
+
+
+def layered_prefill(
+    model: nn.Module, vision: VisionParts | None, proposer: MTPProposer | None, prompt_ids: list[int],
+    media: MediaInput | None, chunk: PrefillChunk, state: PrefillState,
+) -> None:
+    """Layers ``chunk.first_layer`` up to ``chunk.last_layer`` of a chunk's forward (model/layered_forward.py); the
+    piece that runs the last layer finishes the chunk as ``prefill_forward`` / ``media_prefill_forward`` do."""
+    assert state.backbone is not None  # ModelRunner.prefill_state makes it
+    layers = len(model.model.layers)
+    stop = layers if chunk.last_layer is None else min(chunk.last_layer, layers)
+    progress = state.partial
+    if progress is None:
+        if chunk.first_layer != 0:
+            raise RuntimeError(f"a piece from layer {chunk.first_layer}, but no chunk is under way")
+        tokens = mx.array(prompt_ids[chunk.start : chunk.end], dtype=mx.uint32)[None]
+        embeddings = position_ids = None
+        if media is not None:
+            assert media.position_ids is not None  # made by the runner
+            embeddings = media_embeddings(model, media, tokens, chunk.start)
+            position_ids = media.position_ids[:, :, chunk.start : chunk.end]
+        progress = layered_forward.begin(model, chunk.start, tokens, state.backbone, embeddings, position_ids)
+    elif (progress.start, progress.end, progress.next_layer) != (chunk.start, chunk.end, chunk.first_layer):
+        raise RuntimeError(f"a piece of [{chunk.start}, {chunk.end}) from layer {chunk.first_layer}, but the chunk under "
+                           f"way is [{progress.start}, {progress.end}) at layer {progress.next_layer}")
+    layered_forward.run_layers(model, progress, state.backbone, stop, vision.rotaries if vision is not None else None)
+    if stop < layers:
+        state.partial = progress
+        mx.eval(progress.hidden, [state.backbone[i].state for i in range(chunk.first_layer, stop)])
+        return
+    state.partial = None
+    arrays: list = [c.state for c in state.backbone]
+    if proposer is not None:
+        if proposer.wants_prefill_hidden(state, chunk.end):
+            hidden = layered_forward.head_input(model, progress, proposer.hidden_state_mode)
+            arrays.append(proposer.prefill(hidden, progress.tokens, state, chunk.start))
+        else:
+            proposer.skip_prefill_chunk(state)
+    mx.eval(arrays)
+    state.prefilled = chunk.end
+    if media is not None:
+        _release_features(media, chunk.end)
 
 
 @dataclass
@@ -163,12 +217,24 @@ class ModelRunner:
         media = row.req.media
         if media is not None:
             self._positions(row.req.prompt_ids, media)
+        if not chunk.whole or state.partial is not None:
+            layered_prefill(self.model, self.vision, proposer, row.req.prompt_ids, media, chunk, state)
+            return chunk.tokens
+        if media is not None:
             assert self.vision is not None  # a media row is only added with the vision parts (_positions checks)
             media_prefill_forward(self.model, self.vision, proposer, row.req.prompt_ids, media, chunk.end, state)
             return chunk.tokens
         tokens = mx.array(row.req.prompt_ids[chunk.start : chunk.end], dtype=mx.uint32)[None]
         prefill_forward(self.model, proposer, tokens, state)
         return chunk.tokens
+
+    def rewind(self, row: Row) -> None:
+        """Undo the layers a chunk under way has run (the row is leaving mid-chunk): its caches end on a chunk end."""
+        state = row.prefill
+        if state is not None and state.partial is not None:
+            assert state.backbone is not None
+            layered_forward.rewind(state.partial, state.backbone)
+            state.partial = None
 
     def _encode(self, item: MediaEncode) -> int:
         """The vision tower over one image of a media row; its features wait for the chunks that cover its tokens."""

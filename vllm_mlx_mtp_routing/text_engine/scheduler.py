@@ -39,7 +39,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.nn as nn
 
@@ -63,6 +63,14 @@ from .step_plan import DecodePlan, DecodeResult, MediaEncode, PrefillChunk, Pref
 from .step_profile import StepProfile, StepRecord
 
 logger = logging.getLogger(__name__)
+
+
+class LayerPieces(Protocol):
+    """How many of a chunk's layers one step runs while rows decode (prefill_budget.PrefillBudget)."""
+
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int: ...
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float: ...
 
 
 class BatchScheduler:
@@ -94,6 +102,12 @@ class BatchScheduler:
         self.chunk_grid: ChunkGrid | None = None  # chunks that shrink with the position (prefill_budget); None: fixed
         # Chunks while no row decodes, where chunking is exact: (position, seconds a token of the last chunk) -> tokens.
         self.idle_chunk: Callable[[int, float], int] | None = None
+        # While rows decode, a chunk runs in pieces of layers, sized by this projection (prefill_budget).
+        self.layer_pieces: LayerPieces | None = None
+        # Measured over projected seconds of recent pieces: a calibration read on a loaded machine, or an attention
+        # cost it missed, corrects itself from the next piece on (any split of a chunk's layers is exact).
+        self._piece_scale = 1.0
+        self.layers = len(getattr(getattr(model, "model", None), "layers", ())) or 1
         self._last_chunk_rate = 0.0  # CPU seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
         self.decode_step_s = 0.0
@@ -158,6 +172,7 @@ class BatchScheduler:
             self._drop_rows([row])
         else:
             if row in self.prefilling and row.plan is not None:
+                self.runner.rewind(row)  # a chunk stopped between layers: back to its start
                 row.plan.after_abort(row)  # a retry resumes where this prefill stopped
             (self.prefilling if row in self.prefilling else self.waiting).remove(row)
             if row.req.share is not None:
@@ -220,6 +235,8 @@ class BatchScheduler:
                         # CPU seconds: other work on the machine must not shrink a lone prompt's chunks
                         self._last_chunk_rate = (time.process_time() - cpu) / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
+                    if isinstance(work, PrefillChunk) and not work.whole and self.layer_pieces is not None:
+                        self._note_piece(work, ran.seconds)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
                 logger.exception("prefill failed for %s", row.rid)
@@ -251,13 +268,32 @@ class BatchScheduler:
         job = row.sparse if row.sparse is not None and row.sparse.ready() else None
         if job is not None:
             return SparsePiece(row, job, job.next_cost())
-        chunk = PrefillChunk(row, row.prefilled, row.prefilled + self._chunk_len(row))
+        partial = row.prefill.partial if row.prefill is not None else None
+        if partial is not None:  # the chunk under way goes on from the layer it stopped at
+            return self._piece(row, partial.start, partial.end, partial.next_layer)
+        start, end = row.prefilled, row.prefilled + self._chunk_len(row)
         media = row.req.media
-        image = media.unencoded(chunk.start, chunk.end) if media is not None else None
+        image = media.unencoded(start, end) if media is not None else None
         if media is not None and image is not None:  # its vision features first, one image per item
-            start, end = media.spans[image]
-            return MediaEncode(row, image, end - start)
-        return chunk
+            s, e = media.spans[image]
+            return MediaEncode(row, image, e - s)
+        return self._piece(row, start, end, 0)
+
+    def _piece(self, row: Row, start: int, end: int, first: int) -> PrefillChunk:
+        """While rows decode, as many of the chunk's layers as its stall bound allows; otherwise the rest of it."""
+        last = None
+        if self.layer_pieces is not None and self.running:
+            stop = self.layer_pieces.piece_end(start, end - start, first, self._piece_scale)
+            last = None if stop >= self.layers else stop
+        return PrefillChunk(row, start, end, first, last, self.layers)
+
+    def _note_piece(self, piece: PrefillChunk, seconds: float) -> None:
+        assert self.layer_pieces is not None
+        stop = self.layers if piece.last_layer is None else piece.last_layer
+        projected = self.layer_pieces.piece_s(piece.start, piece.positions, piece.first_layer, stop)
+        if projected > 0:
+            ratio = min(max(seconds / projected, 0.1), 100.0)
+            self._piece_scale = 0.5 * self._piece_scale + 0.5 * ratio
 
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
@@ -278,10 +314,10 @@ class BatchScheduler:
     def _after_work(self, work: PrefillWork) -> None:
         if isinstance(work, MediaEncode):
             self.images_encoded += 1
-        elif isinstance(work, PrefillChunk):
-            self.prompt_tokens += work.tokens
+        elif isinstance(work, PrefillChunk) and work.completes:
+            self.prompt_tokens += work.positions
             if work.row.plan is not None:  # a snapshot where the plan wants one
-                work.row.plan.after_chunk(work.row, work.tokens)
+                work.row.plan.after_chunk(work.row, work.positions)
 
     def _fail_prefill(self, row: Row, error: BaseException) -> TextOutput:
         self.prefilling.remove(row)

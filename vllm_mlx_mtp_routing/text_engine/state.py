@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from ..model.layered_forward import LayerProgress
 from ..model.mlx_lm_internals import KVCache
 from .logprobs import TokenLogprob
 from .sampling import SamplingOptions
@@ -190,6 +191,9 @@ class PrefillState:
     prefill_to: int | None = None  # len(prompt) - 1, set by the scheduler: where the prefill ends
     # A media prompt's M-RoPE delta: its decode positions run this far from the token count (set as the row joins).
     rope_delta: int = 0
+    # A chunk whose forward stopped between layers (a step's stall bound): its layers before ``next_layer`` have
+    # written their caches, the others not; ``prefilled`` still ends before it, and no snapshot may be taken.
+    partial: LayerProgress | None = None
 
     @property
     def next_position(self) -> int:

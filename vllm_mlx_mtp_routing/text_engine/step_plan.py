@@ -18,15 +18,36 @@ from .state import SparseJobView
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """A dense forward of ``prompt[start:end]`` of one row, on its own single-sequence caches."""
+    """A dense forward of ``prompt[start:end]`` of one row, on its own single-sequence caches: its decoder layers
+    ``first_layer`` up to ``last_layer`` (None: to the last), the rest in later items (model/layered_forward.py)."""
 
     row: Row
     start: int
     end: int
+    first_layer: int = 0
+    last_layer: int | None = None
+    layers: int = 1  # the model's decoder layers (only read when the item runs part of them)
+
+    @property
+    def positions(self) -> int:
+        return self.end - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.first_layer == 0 and self.last_layer is None
+
+    @property
+    def completes(self) -> bool:
+        """Does this item end the chunk (its last layer run, ``prefilled`` advanced to ``end``)?"""
+        return self.last_layer is None or self.last_layer >= self.layers
 
     @property
     def tokens(self) -> int:
-        return self.end - self.start
+        """Its cost in prompt tokens: the chunk's, or its layers' share of it."""
+        if self.whole:
+            return self.positions
+        stop = self.layers if self.last_layer is None else self.last_layer
+        return max(1, -(-self.positions * (stop - self.first_layer) // self.layers))
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ def _long_row(rehearsal: BatchScheduler, scheduler: BatchScheduler, options: Sam
     if rehearsal.running:
         rehearsal.abort(rehearsal.running[-1].rid)  # room for it
     rehearsal.prefill_chunk, rehearsal.chunk_grid = scheduler.prefill_chunk, scheduler.chunk_grid
+    rehearsal.layer_pieces = scheduler.layer_pieces
     n = max(2 * scheduler.prefill_chunk + 1, LONG_ROW_TOKENS)
     prompt = [1 + j % 7 for j in range(n)]
     if policy is not None:

@@ -10,6 +10,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
   CPU only until measured on a GPU (``compiled_decode_devices``).
+- mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
+  size as measured on the loaded model (``moe_dispatch.measure``, which ``build_text_model`` runs). Every device.
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
 """
 
@@ -25,6 +27,7 @@ from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
 from .grouped_attention import GroupedAttention
+from .moe_dispatch import use_dispatched_switch
 from .skinny_matmul import SkinnyLinear
 
 
@@ -37,6 +40,7 @@ class Swapped:
     skinny_matmul: int
     float32_experts: int = 0
     compiled_decode: int = 0
+    moe_switches: int = 0
 
 
 # Where the gated-delta layers' one-token step runs compiled: where it was measured to take less CPU per step.
@@ -88,5 +92,6 @@ def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
     compiled = use_compiled_decode(model) if kind() in compiled_decode_devices else 0
+    switches = use_dispatched_switch(model) + (use_dispatched_switch(head) if head is not None else 0)
     return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
-                   compiled_decode=compiled)
+                   compiled_decode=compiled, moe_switches=switches)

@@ -1,0 +1,76 @@
+"""The MoE switch's dispatch (model/kernels/moe_dispatch.py): per call size, from times measured on the loaded model.
+
+The plain step and the MTP verify of one batch size must not be split by mlx-lm's fixed threshold (at 8 experts a token
+and 4 rows: 32 pairs gather, 64 sort) but each take the way measured faster for its size; on MLX's CPU backend both
+ways give the same bits, so the choice cannot change an output there (the fp32 MoE model's greedy tests run
+unchanged: test_moe_e2e.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from vllm_mlx_mtp_routing.model.kernels.moe_dispatch import MEASURED_TOKENS, MLX_LM, DispatchedSwitchGLU, DispatchPlan, set_plan
+
+
+def test_plan_takes_the_measured_way_per_size_and_mlx_lms_rule_past_it() -> None:
+    # mlx-lm's rule splits a batch of 4 rows at 8 experts a token: the plain step gathers, the verify sorts
+    assert MLX_LM.sort(tokens=4, pairs=32) is False and MLX_LM.sort(tokens=8, pairs=64) is True
+    plan = DispatchPlan(sort_at=((1, False), (4, False), (8, False), (16, True)))
+    assert plan.sort(tokens=4, pairs=32) is False and plan.sort(tokens=8, pairs=64) is False  # the same way for both
+    assert plan.sort(tokens=3, pairs=24) is False  # a size between two measured ones takes the larger one's way
+    assert plan.sort(tokens=9, pairs=72) is True and plan.sort(tokens=16, pairs=128) is True
+    assert plan.sort(tokens=17, pairs=8) is False and plan.sort(tokens=512, pairs=4096) is True  # past it: mlx-lm's rule
+    assert plan.describe() == "gather at 1-8 tokens, sorted at 9-16 tokens; past 16: mlx-lm's rule"
+
+
+def test_measured_at_build_and_both_ways_give_the_same_bits_on_the_cpu(
+    moe_vlm_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Building the text model of the fp32 MoE checkpoint measures the dispatch once (one log line) and gives the
+    backbone's and the head's switches the plan; on the CPU sorted and gathered calls agree bit for bit at decode and
+    prefill sizes, and a whole forward does not change with the plan."""
+    from mlx_vlm import load
+
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("bitwise agreement is a property of MLX's CPU GatherMM")
+    path = moe_vlm_factory("mlx")
+    vlm, _ = load(str(path))
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_mtp_routing"):
+        bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
+    lines = [r.getMessage() for r in caplog.records if "MoE expert dispatch measured" in r.getMessage()]
+    assert len(lines) == 1, lines
+    model, head = bundle.model, bundle.mtp
+    assert head is not None
+    switches = [m for root in (model, head) for _, m in root.named_modules() if isinstance(m, DispatchedSwitchGLU)]
+    assert len(switches) == len(model.model.layers) + len(head.layers)
+    plan = switches[0].plan
+    # the smallest sizes first, as many as the time budget allows (all of them on a GPU)
+    assert [n for n, _ in plan.sort_at] == list(MEASURED_TOKENS[: len(plan.sort_at)]) and plan.sort_at
+    assert all(s.plan is plan for s in switches)
+
+    block = model.model.layers[0].mlp
+    k = block.top_k
+    for shape in ((1, 1), (4, 1), (4, 2), (8, 2), (2, 40)):
+        x = mx.random.normal((*shape, model.args.hidden_size), key=mx.random.key(sum(shape)))
+        inds = mx.argpartition(block.gate(x), kth=-k, axis=-1)[..., -k:]
+        gathered, ordered = block.switch_mlp.dispatch(x, inds, False), block.switch_mlp.dispatch(x, inds, True)
+        assert mx.array_equal(gathered, ordered).item(), shape
+
+    ids = mx.array([[11, 200, 31, 4, 999, 5]])
+    try:
+        set_plan(DispatchPlan(tuple((n, False) for n in MEASURED_TOKENS)), model, head)
+        every_gather = model(ids)
+        set_plan(DispatchPlan(tuple((n, True) for n in MEASURED_TOKENS)), model, head)
+        every_sort = model(ids)
+    finally:
+        set_plan(plan, model, head)
+    assert mx.array_equal(every_gather, every_sort).item()

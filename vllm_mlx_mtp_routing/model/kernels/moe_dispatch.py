@@ -1,0 +1,165 @@
+"""How mlx-lm's MoE switch (``SwitchGLU``) dispatches a call's (token, expert) pairs: chosen by the call's size from
+times measured on the loaded model, not by mlx-lm's fixed threshold.
+
+mlx-lm 0.31.3 sorts a call's pairs by expert once it holds 64 of them and multiplies them grouped by expert
+(``sorted_indices``; on CUDA a grouped GEMM over every expert); below that each pair is its own matrix-vector product
+(a gather). At 8 experts a token the threshold splits the calls of one batch size: at 4 rows the plain step's [4, 1]
+call (32 pairs) gathers while the MTP verify's [4, 2] call (64) sorts, whichever is faster for each. Here
+``DispatchedSwitchGLU`` (the class swaps.py gives every ``SwitchGLU``) takes the way its ``DispatchPlan`` names for
+the call's number of tokens; ``measure`` times both ways on the model's own MoE layers at every token count a decode
+call has (up to ``MEASURED_TOKENS``' largest, within a time budget) and keeps the faster of each. Larger calls
+(prefill chunks), sizes left unmeasured and an unmeasured plan follow mlx-lm's rule. Either way each pair's product
+is the same arithmetic on MLX's CPU backend (its GatherMM multiplies pair by pair and ignores the sort), so outputs
+there do not depend on the choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..mlx_lm_internals import SwitchGLU, gather_sort, scatter_unsort
+
+logger = logging.getLogger(__name__)
+
+MLX_LM_SORT_PAIRS = 64  # mlx-lm 0.31.3's SwitchGLU: sort from this many (token, expert) pairs
+# Token counts of a decode call (rows x (1 + drafts)) timed at start; a call of n tokens takes the way measured at
+# the smallest of these >= n.
+MEASURED_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+TIMED_LAYERS = 8  # MoE layers per timed call (their switches in one graph, as in a step)
+REPEATS = 3
+MEASURE_BUDGET_S = 1.5  # at start, after the warm-up; a GPU measures every size in a fraction of it
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Whether a call sorts its pairs, by its token count: ``sort_at`` holds (at most this many tokens, sort?) in
+    ascending order; a call past the last, or any call of a plan without any, follows mlx-lm's rule."""
+
+    sort_at: tuple[tuple[int, bool], ...] = ()
+    timings_ms: tuple[tuple[int, float, float], ...] = ()  # (tokens, gather ms, sorted ms) of the timed layers
+
+    def sort(self, tokens: int, pairs: int) -> bool:
+        for bound, do_sort in self.sort_at:
+            if tokens <= bound:
+                return do_sort
+        return pairs >= MLX_LM_SORT_PAIRS
+
+    def describe(self) -> str:
+        if not self.sort_at:
+            return f"mlx-lm's rule (sort from {MLX_LM_SORT_PAIRS} pairs)"
+        runs: list[tuple[bool, int, int]] = []
+        lo = 1
+        for bound, do_sort in self.sort_at:
+            if runs and runs[-1][0] == do_sort:
+                runs[-1] = (do_sort, runs[-1][1], bound)
+            else:
+                runs.append((do_sort, lo, bound))
+            lo = bound + 1
+        return ", ".join(f"{'sorted' if s else 'gather'} at {a}-{b} tokens" if a != b else f"{'sorted' if s else 'gather'} at {a}"
+                         for s, a, b in runs) + f"; past {self.sort_at[-1][0]}: mlx-lm's rule"
+
+
+MLX_LM = DispatchPlan()
+
+
+class DispatchedSwitchGLU(SwitchGLU):
+    """mlx-lm's ``SwitchGLU`` (mlx-lm 0.31.3's ``__call__``, line for line) with the sort decided by ``plan``."""
+
+    plan: DispatchPlan = MLX_LM  # the class's: mlx-lm's rule until measure() sets the instance's
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self.dispatch(x, indices, self.plan.sort(indices.size // indices.shape[-1], indices.size))
+
+    def dispatch(self, x: mx.array, indices: mx.array, do_sort: bool) -> mx.array:
+        x = mx.expand_dims(x, (-2, -3))
+        idx = indices
+        inv_order = None
+        if do_sort:
+            x, idx, inv_order = gather_sort(x, indices)
+        if self.training:
+            idx = mx.stop_gradient(idx)
+        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
+        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
+        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
+        if do_sort:
+            x = scatter_unsort(x, inv_order, indices.shape)
+        return x.squeeze(-2)
+
+
+def _switches(*roots: nn.Module | None) -> Iterator[nn.Module]:
+    for root in roots:
+        if root is not None:
+            for _, m in root.named_modules():
+                if isinstance(m, DispatchedSwitchGLU):
+                    yield m
+
+
+def use_dispatched_switch(module: nn.Module) -> int:
+    """Give every mlx-lm ``SwitchGLU`` under ``module`` the dispatched call (mlx-lm's rule until measured); how many."""
+    n = 0
+    for _, m in module.named_modules():
+        if type(m) is SwitchGLU:
+            m.__class__ = DispatchedSwitchGLU
+            n += 1
+    return n
+
+
+def set_plan(plan: DispatchPlan, *roots: nn.Module | None) -> None:
+    for m in _switches(*roots):
+        m.plan = plan
+
+
+def _fastest_ms(fn: Callable[[], None]) -> float:
+    times = []
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t))
+    return min(times)  # a short call's least disturbed run
+
+
+def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float = MEASURE_BUDGET_S) -> DispatchPlan | None:
+    """Time both ways on up to ``TIMED_LAYERS`` of the model's MoE blocks at each of ``MEASURED_TOKENS`` in turn (inputs
+    random, routed by each block's own router) until ``budget_s`` is spent, give the model's and the head's switches
+    the plan of the faster ones, and return it; None for a model without MoE blocks. Sizes the budget left unmeasured
+    follow mlx-lm's rule (MLX's CPU backend, slow at this, measures the smallest decode calls only)."""
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(getattr(layer.mlp, "switch_mlp", None), DispatchedSwitchGLU)]
+    if not blocks:
+        return None
+    blocks = blocks[:TIMED_LAYERS]
+    H = model.args.hidden_size
+    dtype = model.model.norm.weight.dtype  # the activations' (a quantized router's weight is packed integers)
+    k = blocks[0].top_k
+
+    def inputs(n: int) -> tuple[mx.array, list[mx.array]]:
+        x = mx.random.normal((n, H), key=mx.random.key(n)).astype(dtype)
+        routed = [mx.argpartition(blk.gate(x), kth=-k, axis=-1)[..., -k:] for blk in blocks]
+        mx.eval(x, routed)
+        return x, routed
+
+    def call(x: mx.array, routed: list[mx.array], do_sort: bool) -> None:
+        mx.eval([blk.switch_mlp.dispatch(x, inds, do_sort) for blk, inds in zip(blocks, routed)])
+
+    for do_sort in (False, True):  # kernels compiled and planned before the clock starts
+        call(*inputs(MEASURED_TOKENS[0]), do_sort)
+    sort_at, timings = [], []
+    deadline = time.perf_counter() + budget_s
+    for n in MEASURED_TOKENS:
+        if time.perf_counter() > deadline:
+            break
+        x, routed = inputs(n)
+        gather_ms = _fastest_ms(functools.partial(call, x, routed, False))
+        sorted_ms = _fastest_ms(functools.partial(call, x, routed, True))
+        sort_at.append((n, sorted_ms < gather_ms))
+        timings.append((n, round(gather_ms, 4), round(sorted_ms, 4)))
+    plan = DispatchPlan(tuple(sort_at), tuple(timings))
+    set_plan(plan, model, head)
+    logger.info("TextModel: MoE expert dispatch measured on %d of its MoE layers: %s", len(blocks), plan.describe())
+    return plan
