@@ -11,7 +11,8 @@ not (a GPU), or again:
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
   started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
 
-Per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
+The model takes the engine's layers for the device (the compiled step where ``swaps.compiled_decode_devices`` has it);
+per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
 between them (order flipped every round), the option switched for the one that runs. Reported per option and batch:
 the medians over rounds of on/off ratios of wall and CPU (process_time) seconds, and each side's median ms per step.
 
@@ -36,7 +37,9 @@ from mtp_shapes_bench import SHAPES, Rows, build, load_tokenizer  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from lib.provenance import commit, device, versions  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, use_compiled_decode  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.swaps import compiled_decode_devices  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
@@ -77,19 +80,23 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
     mtp = option != "compiled_decode"
-    scheds = {on: scheduler(model, head, tok, rows, B, mtp) for on in (False, True)}
-    for on in (False, True):  # warm-up: each side's kernels compiled, its graphs traced
-        switch(option, model, scheds[on], on)
-        steps(scheds[on], 3)
+    classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(rounds):
-        for on in (False, True) if r % 2 == 0 else (True, False):
+    try:
+        scheds = {on: scheduler(model, head, tok, rows, B, mtp) for on in (False, True)}
+        for on in (False, True):  # warm-up: each side's kernels compiled, its graphs traced
             switch(option, model, scheds[on], on)
-            w, c = steps(scheds[on], block)
-            wall[on].append(w)
-            cpu[on].append(c)
-    switch(option, model, scheds[True], True)  # the engine's default again
+            steps(scheds[on], 3)
+        for r in range(rounds):
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                switch(option, model, scheds[on], on)
+                w, c = steps(scheds[on], block)
+                wall[on].append(w)
+                cpu[on].append(c)
+    finally:
+        for layer, cls in zip(model.model.layers, classes):
+            layer.__class__ = cls
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {
         "batch": B, "option": option, "rounds": rounds, "block": block,
@@ -122,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     tok, tok_size, special = load_tokenizer()
     shape = SHAPES[a.shape]
     model, head, _, _ = build(shape, getattr(mx, a.dtype), sorted(set(range(tok_size, shape["vocab_size"])) | set(special)))
+    if kind() in compiled_decode_devices:  # the engine's own layers on this device (swaps.apply)
+        use_compiled_decode(model)
     usable = [i for i in range(10, tok_size) if i not in set(special)]
     rng = __import__("random").Random(0)
     rows = Rows(model, head, [[rng.choice(usable) for _ in range(a.prompt_tokens)] for _ in range(max(batches))])
@@ -132,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 row = measure(option, model, head, tok, rows, B, a.rounds, a.block)
             except Exception as e:  # an option that fails here is a finding too: the others still run
-                switch(option, model, BatchScheduler(model, tok), True)
                 row = {"batch": B, "option": option, "error": f"{type(e).__name__}: {e}"}
             result["rows"].append(row)
             print("decode_variants: " + json.dumps(row), flush=True)
