@@ -12,6 +12,7 @@
 #   mtp_shapes   mtp_shapes_bench.py, MTP at Qwen3.5-2B / 9B shapes with forced acceptance
 #   stall        prefill_stall.py, running streams while a 16K-token prompt prefills
 #   specprefill  specprefill_speed.py, TTFT dense vs SpecPrefill at 8K-32K tokens, 9B-shaped target
+#   decode_variants  decode_variants.py, the compiled gated-delta step and the MTP early launch on vs off
 #   specprefill_lc  train a long-context pair (train_long_context.py), then specprefill_retrieval.py's quality table
 #   kernels      the CUDA kernels' exactness and speed (recurrence, few-row matmul)
 #   cold         cold_ttft.py, a lone long prompt (10K, 27K tokens), host alone vs host + plugin, 2B shape

@@ -83,6 +83,19 @@ def test_agentic_bench_workload_and_summary() -> None:
 
 
 
+def test_decode_variants_smoke(tmp_path: Path) -> None:
+    """The decode-option A/B at the tiny shape: every option and batch measured (no error), paired ratios
+    recorded with the commit and device."""
+    import decode_variants as DV
+
+    out = tmp_path / "variants.json"
+    assert DV.main(["--smoke", "--batches", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["device"] and [r["option"] for r in res["rows"]] == list(DV.OPTIONS)
+    for row in res["rows"]:
+        assert "error" not in row and row["on_over_off_cpu"] > 0 and row["off_ms"] > 0 and row["on_ms"] > 0
+
+
 def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:
     """The realistic-shape GPU benchmark's logic at the tiny shape: forced acceptance reaches the
     engine, every configuration and step cost is recorded with the commit, device and versions."""

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .kernels.causal_conv import conv1d
+from .kernels.compiled_decode import CompiledDecoderLayer, Core, plain_cache
 from .kernels.device import on_cuda, on_metal
 from .kernels.recurrence import gated_delta_fused
 from .mlx_lm_internals import (
@@ -295,13 +296,34 @@ def backbone_forward(
         elif not capture:
             h = layer(h, mask=ssm_mask, cache=c)
         else:
-            r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c, capture=True)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if isinstance(layer, CompiledDecoderLayer) and plain_cache(c) and not _compile_layers[0]:
+                h, conv_input, states = _compiled_verify_layer(layer, h, c)
+            else:
+                r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c,
+                                                          capture=True)
+                h = h + r
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             captured.append(Captured(c, conv_input, states))
     post = inner.norm(h)
     out = lm_head(model, post) if logits else None
     return out, (h if hidden_state_mode == "pre_norm" else post), captured
+
+
+# Per recurrence, the verify's gated-delta core as one object: a compiled layer keeps a graph per core it was given.
+_verify_cores: dict[Recurrence, Core] = {}
+
+
+def _compiled_verify_layer(layer: CompiledDecoderLayer, h: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """The verify's decoder layer as one compiled graph (compiled_decode.py), updating ``cache`` as
+    ``gated_delta_layer`` does -> (output, the conv window input, the recurrent state after every position)."""
+    core = _verify_cores.get(_active[0])
+    if core is None:
+        core = _verify_cores[_active[0]] = functools.partial(_layer_core, mask=None, capture=True)
+    h, conv_input, final, states = layer.verify_step(h, cache[0], cache[1], core)
+    cache[0] = mx.contiguous(conv_input[:, -(layer.linear_attn.conv_kernel_size - 1) :, :])
+    cache[1] = final
+    cache.advance(h.shape[1])
+    return h, conv_input, states
 
 
 def rollback_rows(layers: Sequence[Any], captured: list[Captured], keep: list[int], fed: int) -> None:

@@ -161,6 +161,10 @@ class _Launched:
 
 
 class ModelRunner:
+    # An MTP step's drafts and verify start on the device as soon as each graph is built (False: at the acceptance's
+    # read, as before; benchmarks compare the two).
+    launch_early = True
+
     def __init__(self, model: nn.Module, spec: MTPDecode | None = None, vision: VisionParts | None = None) -> None:
         self.model = model
         self.spec = spec
@@ -362,10 +366,14 @@ class ModelRunner:
         states = cast("list[MTPRowState]", [r.spec for r in rows])  # every row joined with one (``join``)
         proposal = spec.proposer.propose(k, states, self.batch.head, drafting, samplers) if k else None
         drafts = proposal.drafts if proposal is not None else None
+        if drafts is not None and self.launch_early:
+            mx.async_eval(drafts)  # the head drafts on the device while the verify's graph is built
         logits, hidden, captured = verify.forward(
             self.model, verify.feed(x, drafts, drafting), self.cache, hidden_state_mode=spec.hidden_state_mode,
             capture=k > 0,
         )
+        if self.launch_early:
+            mx.async_eval(logits)  # the verify runs while the acceptance's graph is built
         tokens, accepted = spec.accept(logits, drafts, proposal.qs if proposal is not None else {}, drafting, samplers, k)
         verify.roll_back(self.cache, captured, tokens, k + 1)
         spec.proposer.after_verify(states, hidden, tokens)

@@ -8,6 +8,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   device.
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
+- ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
+  CPU only until measured on a GPU (``compiled_decode_devices``).
 - mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
   size as measured on the loaded model (``moe_dispatch.measure``, which ``build_text_model`` runs). Every device.
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
@@ -21,8 +23,9 @@ import mlx.nn as nn
 
 from ..backbone import FusedGatedDeltaNet
 from ..mlx_lm_internals import Attention, GatedDeltaNet
+from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
-from .device import on_cuda
+from .device import kind, on_cuda
 from .grouped_attention import GroupedAttention
 from .moe_dispatch import use_dispatched_switch
 from .skinny_matmul import SkinnyLinear
@@ -36,7 +39,12 @@ class Swapped:
     grouped_attention: int
     skinny_matmul: int
     float32_experts: int = 0
+    compiled_decode: int = 0
     moe_switches: int = 0
+
+
+# Where the gated-delta layers' one-token step runs compiled: where it was measured to take less CPU per step.
+compiled_decode_devices = {"cpu"}
 
 
 def use_fused_recurrence(model: nn.Module) -> int:
@@ -83,6 +91,7 @@ def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
     grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
+    compiled = use_compiled_decode(model) if kind() in compiled_decode_devices else 0
     switches = use_dispatched_switch(model) + (use_dispatched_switch(head) if head is not None else 0)
     return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
-                   moe_switches=switches)
+                   compiled_decode=compiled, moe_switches=switches)
