@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..mlx_lm_internals import ArraysCache, DecoderLayer
+from .retype import retype
 
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 # (the gated-delta layer, its normed input, conv state, recurrent state) -> (output, conv window input, final state,
@@ -81,9 +82,4 @@ class CompiledDecoderLayer(DecoderLayer):
 
 def use_compiled_decode(model: Any) -> int:
     """Give the text model's gated-delta decoder layers the compiled one-token step; how many changed."""
-    n = 0
-    for layer in model.model.layers:
-        if type(layer) is DecoderLayer and layer.is_linear:
-            layer.__class__ = CompiledDecoderLayer
-            n += 1
-    return n
+    return retype(model.model.layers, DecoderLayer, CompiledDecoderLayer, lambda layer: layer.is_linear)

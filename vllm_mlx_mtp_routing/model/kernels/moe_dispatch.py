@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlx_lm_internals import SwitchGLU, gather_sort, scatter_unsort
+from .retype import modules_of, retype
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +104,7 @@ def _switches(*roots: nn.Module | None) -> Iterator[nn.Module]:
 
 def use_dispatched_switch(module: nn.Module) -> int:
     """Give every mlx-lm ``SwitchGLU`` under ``module`` the dispatched call (mlx-lm's rule until measured); how many."""
-    n = 0
-    for _, m in module.named_modules():
-        if type(m) is SwitchGLU:
-            m.__class__ = DispatchedSwitchGLU
-            n += 1
-    return n
+    return retype(modules_of(module), SwitchGLU, DispatchedSwitchGLU)
 
 
 def set_plan(plan: DispatchPlan, *roots: nn.Module | None) -> None:

@@ -28,6 +28,7 @@ from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
 from .grouped_attention import GroupedAttention
 from .moe_dispatch import use_dispatched_switch
+from .retype import modules_of, retype
 from .skinny_matmul import SkinnyLinear
 
 
@@ -53,13 +54,8 @@ def use_fused_recurrence(model: nn.Module) -> int:
     many layers changed (0 off CUDA)."""
     if not on_cuda():
         return 0
-    n = 0
-    for layer in model.model.layers:
-        lin = getattr(layer, "linear_attn", None)
-        if type(lin) is GatedDeltaNet and lin.sharding_group is None:
-            lin.__class__ = FusedGatedDeltaNet
-            n += 1
-    return n
+    return retype((getattr(layer, "linear_attn", None) for layer in model.model.layers), GatedDeltaNet,
+                  FusedGatedDeltaNet, lambda lin: lin.sharding_group is None)
 
 
 def use_skinny_matmul(module: nn.Module) -> int:
@@ -67,22 +63,12 @@ def use_skinny_matmul(module: nn.Module) -> int:
     (quantized layers keep theirs). Returns how many changed (0 off CUDA)."""
     if not on_cuda():
         return 0
-    n = 0
-    for _, m in module.named_modules():
-        if type(m) is nn.Linear:
-            m.__class__ = SkinnyLinear
-            n += 1
-    return n
+    return retype(modules_of(module), nn.Linear, SkinnyLinear)
 
 
 def use_grouped_attention(model: nn.Module) -> int:
     """Give every mlx-lm attention layer under ``model`` the grouped call; how many changed."""
-    n = 0
-    for _, module in model.named_modules():
-        if type(module) is Attention:
-            module.__class__ = GroupedAttention
-            n += 1
-    return n
+    return retype(modules_of(model), Attention, GroupedAttention)
 
 
 def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
