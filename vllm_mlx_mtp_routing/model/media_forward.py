@@ -1,49 +1,28 @@
-"""The decoder stack over a media prompt: input embeddings (the VLM's vision features merged in) at M-RoPE positions.
+"""What the text engine uses of a VLM for media rows: its vision tower, M-RoPE positions and rotary modules.
 
 A Qwen3.5 VLM places an image's tokens on a 2-D grid of (temporal, height, width) positions: its attention rotates
 each token by three position components, one per frequency section (M-RoPE). The TextModel's attention is mlx-lm's,
-with one position per token. Here its attention layers are called (``rotated_layer``) with the VLM's own rotary
-module of the same layer (``apply_rotary`` of mlx-vlm's ``MRoPERotaryEmbedding``), so the rotation is exactly the VLM's; projections, norms, the
-gate and the KV cache are the TextModel's, which shares its weights with the VLM. The gated-delta layers have no
-positions. The keys land in the row's own single-sequence ``KVCache``, as a text prefill's do, so after the prompt the
-row decodes in the text batch with one position per token, shifted by the prompt's M-RoPE delta (text tokens after
-the media sit at equal (t, h, w), where M-RoPE is plain RoPE).
+with one position per token. A media chunk's attention layers are called (``rotated_layer``, from
+``layered_forward.run_layers``) with the VLM's own rotary module of the same layer (``apply_rotary`` of mlx-vlm's
+``MRoPERotaryEmbedding``), so the rotation is exactly the VLM's; projections, norms, the gate and the KV cache are the
+TextModel's, which shares its weights with the VLM. The gated-delta layers have no positions. The keys land in the
+row's own single-sequence ``KVCache``, as a text prefill's do, so after the prompt the row decodes in the text batch
+with one position per token, shifted by the prompt's M-RoPE delta (text tokens after the media sit at equal
+(t, h, w), where M-RoPE is plain RoPE).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
-
-from .mlx_lm_internals import create_ssm_mask, ssm_cache_index
-from .rotated_attention import rotated_layer
 
 
 def rotaries_of(vlm_language_model: Any) -> list[Any]:
     """The VLM's rotary module per decoder layer (None for its gated-delta layers), in layer order."""
     layers = vlm_language_model.model.layers
     return [getattr(getattr(layer, "self_attn", None), "rotary_emb", None) for layer in layers]
-
-
-def media_forward(
-    model: nn.Module, rotaries: Sequence[Any], embeddings: mx.array, position_ids: mx.array, cache: list[Any],
-    hidden_state_mode: str = "post_norm",
-) -> mx.array:
-    """The qwen3_5 decoder stack over ``embeddings`` [1, L, H] at ``position_ids`` [3, 1, L] -> the hidden state the
-    MTP head reads (post-norm, or pre-norm), [1, L, H]."""
-    inner = model.model
-    h = embeddings
-    ssm_mask = create_ssm_mask(h, cache[ssm_cache_index(model)])
-    for layer, rotary, c in zip(inner.layers, rotaries, cache):
-        if layer.is_linear:
-            h = layer(h, mask=ssm_mask, cache=c)
-        else:  # the VLM's own rotary module of this layer, at its M-RoPE positions
-            h = rotated_layer(layer, h, c, functools.partial(rotary.apply_rotary, position_ids=position_ids, unsqueeze_dim=1))
-    return h if hidden_state_mode == "pre_norm" else inner.norm(h)
 
 
 class VisionParts:

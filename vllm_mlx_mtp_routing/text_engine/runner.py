@@ -25,7 +25,7 @@ import mlx.nn as nn
 
 from ..model import layered_forward
 from ..model.backbone import backbone_forward
-from ..model.media_forward import VisionParts, media_forward
+from ..model.media_forward import VisionParts
 from .batch_cache import BatchCache
 from .decode_batch import DecodeBatch
 from .logprobs import row_logprobs
@@ -77,35 +77,13 @@ def _release_features(media: MediaInput, end: int) -> None:
             media.features.pop(j, None)
 
 
-def media_prefill_forward(
-    model: nn.Module, vision: VisionParts, proposer: MTPProposer | None, prompt_ids: list[int], media: MediaInput,
-    end: int, state: PrefillState,
-) -> None:
-    """One prefill chunk of a media prompt, ``prompt[state.prefilled:end]``: its token embeddings with each image's
-    features in place of its tokens, at the VLM's M-RoPE positions; otherwise as ``prefill_forward``."""
-    assert state.backbone is not None and media.position_ids is not None  # made by the runner
-    start = state.prefilled
-    tokens = mx.array(prompt_ids[start:end], dtype=mx.uint32)[None]
-    embeddings = media_embeddings(model, media, tokens, start)
-    mode = proposer.hidden_state_mode if proposer is not None else "post_norm"
-    hidden = media_forward(model, vision.rotaries, embeddings, media.position_ids[:, :, start:end], state.backbone, mode)
-    arrays: list = [c.state for c in state.backbone]
-    if proposer is not None:
-        if proposer.wants_prefill_hidden(state, end):
-            arrays.append(proposer.prefill(hidden, tokens, state, start))
-        else:
-            proposer.skip_prefill_chunk(state)
-    mx.eval(arrays)
-    state.prefilled = end
-    _release_features(media, end)
-
-
 def layered_prefill(
     model: nn.Module, vision: VisionParts | None, proposer: MTPProposer | None, prompt_ids: list[int],
     media: MediaInput | None, chunk: PrefillChunk, state: PrefillState,
 ) -> None:
     """Layers ``chunk.first_layer`` up to ``chunk.last_layer`` of a chunk's forward (model/layered_forward.py); the
-    piece that runs the last layer finishes the chunk as ``prefill_forward`` / ``media_prefill_forward`` do."""
+    piece that runs the last layer finishes the chunk as ``prefill_forward`` does. A media chunk (its embeddings with
+    each image's features in place of its tokens, at the VLM's M-RoPE positions) always runs here, whole or in pieces."""
     assert state.backbone is not None  # ModelRunner.prefill_state makes it
     layers = len(model.model.layers)
     stop = layers if chunk.last_layer is None else min(chunk.last_layer, layers)
@@ -219,12 +197,8 @@ class ModelRunner:
         media = row.req.media
         if media is not None:
             self._positions(row.req.prompt_ids, media)
-        if not chunk.whole or state.partial is not None:
+        if media is not None or not chunk.whole or state.partial is not None:
             layered_prefill(self.model, self.vision, proposer, row.req.prompt_ids, media, chunk, state)
-            return chunk.tokens
-        if media is not None:
-            assert self.vision is not None  # a media row is only added with the vision parts (_positions checks)
-            media_prefill_forward(self.model, self.vision, proposer, row.req.prompt_ids, media, chunk.end, state)
             return chunk.tokens
         tokens = mx.array(row.req.prompt_ids[chunk.start : chunk.end], dtype=mx.uint32)[None]
         prefill_forward(self.model, proposer, tokens, state)
