@@ -47,6 +47,7 @@ import logging
 import statistics
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -115,11 +116,8 @@ class PrefillBudget:
         if not self.bounded or self.attention_s <= 0:
             return self.chunk_tokens
         limit = self.chunk_limit_s
-        lo, hi = 1, self.chunk_tokens  # the projection grows with the tokens: bisect the largest that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.chunk_s(mid, position) <= limit else (lo, mid - 1)
-        return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
+        n = _largest(1, self.chunk_tokens, lambda m: self.chunk_s(m, position) <= limit)
+        return n if n < MIN_CHUNK else n // MIN_CHUNK * MIN_CHUNK
 
     def layer_s(self, tokens: int, position: int) -> list[float]:
         """The projected time of each decoder layer of a chunk: its fixed and per-token cost spread evenly over the
@@ -137,11 +135,8 @@ class PrefillBudget:
         if len(self.layer_kinds) < 2 or not self.bounded:
             return least
         limit = self.chunk_limit_s
-        lo, hi = least, max(least, self.max_chunk_tokens)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if max(self.layer_s(mid, position)) <= limit else (lo, mid - 1)
-        return lo if lo < MIN_CHUNK else lo // MIN_CHUNK * MIN_CHUNK
+        n = _largest(least, max(least, self.max_chunk_tokens), lambda m: max(self.layer_s(m, position)) <= limit)
+        return n if n < MIN_CHUNK else n // MIN_CHUNK * MIN_CHUNK
 
     def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
         """Where a piece of the chunk of ``tokens`` at ``position`` that starts at layer ``first`` ends: as many layers
@@ -165,11 +160,7 @@ class PrefillBudget:
         if seconds_per_token > 0:
             n = int(IDLE_CHUNK_S / seconds_per_token)
         else:
-            lo, hi = least, self.max_chunk_tokens
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self.chunk_s(mid, position) <= IDLE_CHUNK_S else (lo, mid - 1)
-            n = lo
+            n = _largest(least, self.max_chunk_tokens, lambda m: self.chunk_s(m, position) <= IDLE_CHUNK_S)
         n = min(n if n < MIN_CHUNK else n // MIN_CHUNK * MIN_CHUNK, self.max_chunk_tokens)
         return max(n, least)
 
@@ -195,6 +186,15 @@ class PrefillBudget:
                 "chunk_at": {str(p): self.chunk_at(p) for p in depths},
                 "grid_chunk_at": {str(p): self.grid_chunk_at(p) for p in depths},
                 "idle_chunk_at": {str(p): self.idle_chunk_at(p) for p in depths} if self.chunk_exact else None}
+
+
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [lo, hi] that ``fits`` (which holds up to some n and not past it; lo where none does): the
+    projections grow with the tokens, so bisect."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 class ChunkGrid:
