@@ -120,6 +120,58 @@ def lookahead_queries(draft: nn.Module, cache: list[Any], first_token: int, step
     return [mx.concatenate(got[i], axis=2) for i in layers]
 
 
+def write_kv(attn: nn.Module, x: mx.array, cache: Any) -> None:
+    """What the attention module's call writes to ``cache`` for ``x`` (input-normed), without its attention:
+    keys normed and rotated, values, as mlx-lm's qwen3 / qwen3_next attention compute them."""
+    B, L, _ = x.shape
+    heads = _heads(attn)
+    assert heads is not None
+    keys = attn.k_proj(x).reshape(B, L, heads[1], -1)
+    if hasattr(attn, "k_norm"):
+        keys = attn.k_norm(keys)
+    values = attn.v_proj(x).reshape(B, L, heads[1], -1).transpose(0, 2, 1, 3)
+    cache.update_and_fetch(attn.rope(keys.transpose(0, 2, 1, 3), offset=cache.offset), values)
+
+
+def _keys_only_last_layer(draft: nn.Module) -> bool:
+    """Whether ``write_kv`` writes what the draft's last layer writes (probed once per draft, bitwise, on 5
+    tokens): then a prompt chunk skips that layer's attention and MLP, whose outputs nothing reads."""
+    cached = getattr(draft, "_specprefill_keys_only", None)
+    if cached is not None:
+        return bool(cached)
+    tm = text_model(draft)
+    layer = tm.model.layers[-1]
+    ok = False
+    if getattr(layer, "self_attn", None) is not None and not getattr(layer, "is_linear", False) and hasattr(layer.self_attn, "v_proj"):
+        x = mx.random.normal((1, 5, tm.model.embed_tokens.weight.shape[-1]), key=mx.random.key(0)).astype(tm.model.embed_tokens.weight.dtype)
+        full, short = make_prompt_cache(draft)[-1], make_prompt_cache(draft)[-1]
+        try:
+            from ..model.mlx_lm_internals import create_attention_mask
+
+            layer(x, create_attention_mask(x, full), full)
+            write_kv(layer.self_attn, layer.input_layernorm(x), short)
+            ok = all(mx.array_equal(a, b).item() for a, b in zip(full.state, short.state))
+        except Exception:  # noqa: BLE001 - an attention this does not know: the full layer runs
+            ok = False
+    draft._specprefill_keys_only = ok  # a plain attribute (not a parameter): the draft lives as long as its answer
+    return ok
+
+
+def prefill_keys(draft: nn.Module, chunk: mx.array, cache: list[Any]) -> None:
+    """The draft's decoder stack over a prompt chunk, for its caches only: no full-vocabulary logits (half an attn-0.5b
+    draft's FLOPs), and where ``_keys_only_last_layer`` the last layer only writes its keys and values (scoring reads
+    the prompt's keys, the look-ahead its keys and values; nothing reads that layer's outputs for the prompt)."""
+    tm = text_model(draft)
+    if not _keys_only_last_layer(draft):
+        tm.model(chunk, cache=cache)
+        return
+    h = tm.model.embed_tokens(chunk)
+    layers = tm.model.layers
+    for layer, c, mask in zip(layers[:-1], cache, _layer_masks(tm, h, cache)):
+        h = layer(h, mask, c)
+    write_kv(layers[-1].self_attn, layers[-1].input_layernorm(h), cache[-1])
+
+
 def _avg_pool(x: mx.array, kernel: int) -> mx.array:
     """Mean over a centred window of ``kernel`` positions along the last axis (shrinking at the ends)."""
     if kernel <= 1:
@@ -217,8 +269,7 @@ class ScoringJob:
         assert self.cache is not None  # advanced only until done
         if self.prefilled < self.to_prefill:
             chunk = mx.array(self.prompt_ids[self.prefilled : self.prefilled + n], dtype=mx.uint32)[None]
-            # The decoder stack only: the prompt's full-vocabulary logits are never read (half an attn-0.5b draft's FLOPs).
-            text_model(self.draft).model(chunk, cache=self.cache)
+            prefill_keys(self.draft, chunk, self.cache)
             mx.eval([c.state for c in self.cache])
             self.prefilled += n
             return n
