@@ -215,7 +215,8 @@ def main() -> int:
     report = {"command": " ".join(sys.argv), "commit": commit(), "device": device_line(), "model": str(a.model),
               "concurrency": a.concurrency, "max_tokens": a.max_tokens, "rounds": a.rounds,
               "plugin_mtp": a.mtp, "servers": {n: {**(summary(rs) if rs else {}), **turns[n]} for n, rs in rounds.items()},
-              "plugin_routing": status.get("routing"), "plugin_mtp_acceptance": status.get("mtp", {}).get("acceptance_rate")}
+              "plugin_routing": status.get("routing"), "plugin_mtp_acceptance": status.get("mtp", {}).get("acceptance_rate"),
+              "plugin_mtp_media_rows": status.get("mtp", {}).get("media_rows")}
     keys = ["text_decode_tok_s", "image_decode_tok_s", "aggregate_tok_s", "text_ttft_s", "image_ttft_s"]
     print(f"\nmixed load: concurrency {a.concurrency} (half with an image), {a.max_tokens} tokens, {a.rounds} rounds each, "
           f"plugin MTP {'on' if a.mtp else 'off'}")
@@ -235,7 +236,9 @@ def main() -> int:
     print("second turn resending a 448x448 image: " + ", ".join(
         f"{n} {t['turn2_ttft_s']:.2f} s ({t['turn2_cached_tokens']} cached)" for n, t in turns.items()))
     if report["plugin_mtp_acceptance"] is not None:
-        print(f"plugin MTP acceptance: {report['plugin_mtp_acceptance']:.3f}")
+        media = report.get("plugin_mtp_media_rows") or {}
+        print(f"plugin MTP acceptance: {report['plugin_mtp_acceptance']:.3f}"
+              + (f" (image rows: {media['accepted']} of {media['drafted']} drafts)" if media.get("drafted") else ""))
     if a.out is not None:
         a.out.write_text(json.dumps(report, indent=2))
     return 0

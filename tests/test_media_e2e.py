@@ -66,7 +66,7 @@ def test_image_requests_are_rows_of_the_text_batch_with_the_hosts_output(plugin:
     after = plugin_status(plugin)
     assert after["routing"]["media"] == before["routing"]["media"] + 3
     assert after["text_engine"]["media_rows"] == before["text_engine"]["media_rows"] + 3
-    assert after["mtp"]["drafted"] > before["mtp"]["drafted"]  # image rows draft
+    assert after["mtp"]["media_rows"]["drafted"] > before["mtp"]["media_rows"]["drafted"]  # image rows draft
     wait_idle(plugin, 30)
 
 

@@ -93,6 +93,8 @@ class MTPDecode:
         self._last_end: float | None = None
         self.drafted = 0
         self.accepted = 0
+        self.media_drafted = 0  # of those, by rows of media requests (images)
+        self.media_accepted = 0
         self.steps_with_mtp = 0
         self.steps_without_mtp = 0
         self.accepted_histogram = [0] * (self.k + 1)  # per drafting row-step: how many drafts it kept
@@ -141,11 +143,14 @@ class MTPDecode:
             self.steps_with_mtp += 1
         else:
             self.steps_without_mtp += 1
-        for d, a in zip(drafting, accepted):
+        for row, d, a in zip(batch.rows, drafting, accepted):
             if d:
                 self.drafted += k
                 self.accepted += a
                 self.accepted_histogram[a] += 1
+                if row.req.media is not None:
+                    self.media_drafted += k
+                    self.media_accepted += a
         self.policy.observe(rows, k, drafting, accepted, seconds=seconds,
                             shape=self._shape(batch.backbone, batch.head, len(rows), k), timed=not result.caught_up)
 
@@ -164,6 +169,8 @@ class MTPDecode:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "media_rows": {"drafted": self.media_drafted, "accepted": self.media_accepted,
+                           "acceptance_rate": self.media_accepted / self.media_drafted if self.media_drafted else 0.0},
             "steps_with_mtp": self.steps_with_mtp,
             "steps_without_mtp": self.steps_without_mtp,
             "accepted_histogram": list(self.accepted_histogram),
