@@ -5,10 +5,14 @@ A definition line ``\\n# set K1 K2 V1 V2\\n`` and, later, a query ``\\n# get K1 
 within a window; key and value pools are disjoint. The value follows the key directly, so an attention layer
 that matches the key's tokens can copy it (an induction pattern), however far back the definition is.
 
-Training windows carry several pairs at random places (``training_window``); the loss mask marks the
+Training windows carry many pairs at random places (``training_window``); the loss mask marks the
 answers' tokens. Judging prompts (``retrieval_prompt``) hold one queried definition at a chosen distance
 before the question plus distractor definitions, and end right after the queried key: the model's next
 tokens should be the value. Chance of the exact value is 1 / len(values)^2.
+
+The word tokens are split once (a fixed shuffle): three quarters for training, a quarter held out
+(``load_task(..., split=)``): judging uses keys and values the model never saw in a definition, so a right
+answer is retrieval, not a memorised pair.
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ class Task:
         return [*self.query_prefix, *key]
 
 
-def load_task(tokenizer_json: Path) -> Task:
-    """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``)."""
+SPLITS = ("train", "heldout")
+
+
+def load_task(tokenizer_json: Path, split: str = "train") -> Task:
+    """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``); keys and
+    values from the ``split`` part of the word tokens (a quarter is held out)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
@@ -55,7 +63,10 @@ def load_task(tokenizer_json: Path) -> Task:
     words = [i for i in range(tok.get_vocab_size()) if re.fullmatch(r" [a-z]{3,10}", tok.decode([i]) or "")]
     if len(words) < 64:
         raise SystemExit(f"the tokenizer has only {len(words)} single-word tokens; the task needs 64")
-    ids = np.asarray(words, dtype=np.int64)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    ids = np.random.default_rng(38).permutation(np.asarray(words, dtype=np.int64))
+    ids = ids[len(ids) // 4 :] if split == "train" else ids[: len(ids) // 4]
     return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=ids[0::2], values=ids[1::2])
 
 
