@@ -49,3 +49,15 @@ def test_retrieval_prompt_ends_on_the_key_with_its_definition_at_the_distance(ta
     assert p.ids[-4:-2] == list(task.query_prefix)[-2:]
     assert abs(p.distance - 2500) < 4 * task.def_len + 8
     assert p.distance == len(p.ids) - k0
+
+
+def test_heldout_keys_and_values_never_appear_in_training_definitions(task):
+    held = load_task(REPO / "models" / "tiny-qwen35-trained" / "tokenizer.json", "heldout")
+    trained = set(task.keys.tolist()) | set(task.values.tolist())
+    judged = set(held.keys.tolist()) | set(held.values.tolist())
+    assert not trained & judged
+    assert len(judged) >= 128 and abs(len(trained) - 3 * len(judged)) <= 3
+    x, mask = training_window(task, corpus(), np.random.default_rng(3), 2048, 40)
+    assert not set(x[mask > 0].tolist()) & judged
+    with pytest.raises(ValueError, match="split"):
+        load_task(REPO / "models" / "tiny-qwen35-trained" / "tokenizer.json", "test")

@@ -175,13 +175,16 @@ def heldout_retrieval(models: dict, task, heldout: np.ndarray, seq: int, windows
 def parse_curriculum(text: str) -> list[tuple[int, int, float]]:
     """"512x16:0.5,4096x2:0.5" -> [(seq, batch, share of the training time)], shares summing to 1."""
     phases = []
-    for part in text.split(","):
-        shape, _, share = part.partition(":")
-        seq, _, batch = shape.partition("x")
-        phases.append((int(seq), int(batch), float(share or 1.0)))
+    try:
+        for part in text.split(","):
+            shape, _, share = part.partition(":")
+            seq, _, batch = shape.partition("x")
+            phases.append((int(seq), int(batch), float(share or 1.0)))
+    except ValueError:
+        phases = []
+    if not phases or any(p[0] < 64 or p[1] < 1 or p[2] <= 0 for p in phases):
+        raise SystemExit(f"--curriculum: want SEQxBATCH:SHARE,... (SEQ >= 64, BATCH >= 1, SHARE > 0), got {text!r}")
     total = sum(p[2] for p in phases)
-    if not phases or total <= 0 or any(p[0] < 64 or p[1] < 1 or p[2] < 0 for p in phases):
-        raise SystemExit(f"--curriculum: want SEQxBATCH:SHARE,..., got {text!r}")
     return [(q, b, sh / total) for q, b, sh in phases]
 
 
