@@ -25,18 +25,13 @@ import mlx.nn as nn
 def _forward_substitute(A: mx.array, R: mx.array) -> mx.array:
     """Solve (I + A) X = R for X, A strictly lower triangular (C x C) over the last two axes.
 
-    A is nilpotent (A^C = 0), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: log2(C) rounds of squaring,
-    each with the same shapes (few distinct kernels to compile), instead of the C - 1 sweeps of a
-    substitution that would cost C times the matrix products.
+    Jacobi sweeps X <- R - A X: after sweep n rows 0..n are final and later rows never feed back
+    into them, so C - 1 sweeps give forward substitution's result; every sweep has the same shapes,
+    which keeps the number of distinct kernels a backend has to compile small.
     """
     X = R
-    P = -A
-    span = 1
-    while span < A.shape[-1]:
-        X = X + P @ X
-        span *= 2
-        if span < A.shape[-1]:
-            P = P @ P
+    for _ in range(A.shape[-1] - 1):
+        X = R - A @ X
     return X
 
 

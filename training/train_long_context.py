@@ -12,7 +12,7 @@ with a synthetic retrieval task mixed in (retrieval_task.py), so the target has 
            RUN/train_log.json (with teacher-forced held-out retrieval accuracy for both models).
 
 The pair is reproducible from the seed and the logged step count (--steps), not committed (the target is
-18.4M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
+17.6M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
 server's text engine runs. The GPU job (benchmarks/gpu/specprefill_lc.sh) runs prepare, train, and then
 benchmarks/specprefill_retrieval.py on the result.
 
@@ -38,23 +38,28 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 TOKENIZER = REPO / "models" / "tiny-qwen35-trained" / "tokenizer.json"
 
-# 18.4M parameters (3.1M of them embeddings): 8 layers, [gated delta x3, attention] x2, vocab 4096 untied.
-TARGET = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 8, "full_attention_interval": 4,
-          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 3,
-          "linear_num_value_heads": 6, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+# 17.6M parameters (4.2M of them embeddings): 4 layers, [gated delta, attention] x2, vocab 4096 untied. Wide and
+# shallow: a training step's cost is mostly the gated delta's sequential chunks, per layer.
+TARGET = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "full_attention_interval": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4,
+          "linear_num_value_heads": 8, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
 # 2.6M: one gated delta layer (its short convolution sees the previous tokens) and one attention layer.
 DRAFT = {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 2, "full_attention_interval": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
          "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
 # --small: a CPU smoke shape
-SMALL_TARGET = {**TARGET, "hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 4,
-                "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+SMALL_TARGET = {**TARGET, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "full_attention_interval": 4,
+                "num_attention_heads": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
 SMALL_DRAFT = {**DRAFT, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 2, "num_key_value_heads": 1,
                "linear_num_key_heads": 1, "linear_num_value_heads": 2}
 # --shape tiny: the CPU proof of the recipe (4 layers, [gated delta, attention] x2)
 TINY_TARGET = {**SMALL_TARGET, "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 4, "full_attention_interval": 2,
                "num_attention_heads": 2, "num_key_value_heads": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 2}
-SHAPES = {"full": (TARGET, DRAFT), "small": (SMALL_TARGET, SMALL_DRAFT), "tiny": (TINY_TARGET, SMALL_DRAFT)}
+# --shape proof: the least that shows the recipe on a slow CPU (a [gated delta, attention] target, a one-attention draft)
+PROOF_TARGET = {**TINY_TARGET, "num_hidden_layers": 2}
+PROOF_DRAFT = {**SMALL_DRAFT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "full_attention_interval": 1}
+SHAPES = {"full": (TARGET, DRAFT), "small": (SMALL_TARGET, SMALL_DRAFT), "tiny": (TINY_TARGET, SMALL_DRAFT),
+          "proof": (PROOF_TARGET, PROOF_DRAFT)}
 
 
 def text_config(shape: dict) -> dict:

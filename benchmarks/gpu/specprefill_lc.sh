@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU SpecPrefill quality on a long-context pair (issue 38), in one call: tokenize the standard library
-# (training/train_long_context.py prepare), train an 18.4M Qwen3.5-shaped target and its 2.6M draft together on
+# (training/train_long_context.py prepare), train a 17.6M Qwen3.5-shaped target and its 2.6M draft together on
 # windows of code dense with the retrieval task, short windows first (the curriculum: 512, 1024, then 4096 tokens,
 # each phase a share of the time left after the first step, which carries MLX's CUDA JIT), then
 # benchmarks/specprefill_retrieval.py on the pair, with keys and values held out of training: dense vs SpecPrefill
