@@ -5,8 +5,8 @@ agreement with dense.
 The pair comes from training/train_long_context.py (RUN/target, RUN/draft: Qwen3.5-shaped, trained on 4K-token
 windows of code with the retrieval task of training/retrieval_task.py mixed in). Two prompt sets, built from the
 held-out part of its corpus.npz with a fixed seed:
-  retrieval  --length-token prompts of code holding a definition ``# set K1 K2 V1 V2`` about --distance tokens
-             (1K-4K) before the end, --distractors other definitions, and ending with the query ``# get K1 K2``:
+  retrieval  --length-token prompts of code holding a definition ``# set K V1 V2`` about --distance tokens
+             (1K-4K) before the end, --distractors other definitions, and ending with the query ``# get K``:
              accuracy = the next two tokens (greedy) are V1 V2; also the first token alone, the answer's NLL,
              and whether the kept tokens hold the definition. Keys and values come from the task's held-out
              word tokens, never in a training definition.

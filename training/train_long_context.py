@@ -151,7 +151,7 @@ def seq_losses(lm, x, mask):
 def batches(task, corpus: np.ndarray, batch: int, seq: int, pairs_per_k: tuple[float, float], rng: np.random.Generator):
     from retrieval_task import training_window
 
-    lo, hi = (max(1, round(p * seq / 1024)) for p in pairs_per_k)
+    lo, hi = (min(len(task.keys), max(1, round(p * seq / 1024))) for p in pairs_per_k)  # keys are distinct in a window
     while True:
         rows = [training_window(task, corpus, rng, seq + 1, int(rng.integers(lo, hi + 1))) for _ in range(batch)]
         yield np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
