@@ -10,9 +10,8 @@ answers' tokens. Judging prompts (``retrieval_prompt``) hold one queried definit
 before the question plus distractor definitions, and end right after the queried key: the model's next
 tokens should be the value. Chance of the exact value is 1 / len(values)^2.
 
-The word tokens are split once (a fixed shuffle): three quarters for training, a quarter held out
-(``load_task(..., split=)``): judging uses keys and values the model never saw in a definition, so a right
-answer is retrieval, not a memorised pair.
+A quarter of the word tokens is held out (a fixed shuffle; ``load_task(..., split=)``): judging uses keys and
+values the model never saw in a definition, so a right answer is retrieval, not a memorised pair.
 """
 
 from __future__ import annotations
@@ -51,8 +50,9 @@ SPLITS = ("train", "heldout")
 
 
 def load_task(tokenizer_json: Path, split: str = "train") -> Task:
-    """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``); keys and
-    values from the ``split`` part of the word tokens (a quarter is held out)."""
+    """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``): held out, a
+    quarter of the single-word tokens (half keys, half values); for training, keys from the other three quarters and
+    values from every other identifier-like token."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
@@ -66,8 +66,15 @@ def load_task(tokenizer_json: Path, split: str = "train") -> Task:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     ids = np.random.default_rng(38).permutation(np.asarray(words, dtype=np.int64))
-    ids = ids[len(ids) // 4 :] if split == "train" else ids[: len(ids) // 4]
-    return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=ids[0::2], values=ids[1::2])
+    held = ids[: len(ids) // 4]
+    if split == "heldout":
+        return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=held[0::2], values=held[1::2])
+    keys = ids[len(ids) // 4 :][0::2]
+    # Training values: every identifier-like token but the held-out words and the keys, so what is learnt is to
+    # copy, not a small pool of likely answers (which would rank the held-out values below it).
+    names = [i for i in range(tok.get_vocab_size()) if re.fullmatch(r" ?[A-Za-z_][A-Za-z0-9_]+", tok.decode([i]) or "")]
+    values = np.setdiff1d(np.asarray(names, dtype=np.int64), np.concatenate([held, keys]))
+    return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=keys, values=values)
 
 
 def _pairs(task: Task, rng: np.random.Generator, n: int) -> list[tuple[tuple[int], tuple[int, int]]]:
