@@ -5,10 +5,11 @@ agreement with dense.
 The pair comes from training/train_long_context.py (RUN/target, RUN/draft: Qwen3.5-shaped, trained on 4K-token
 windows of code with the retrieval task of training/retrieval_task.py mixed in). Two prompt sets, built from the
 held-out part of its corpus.npz with a fixed seed:
-  retrieval  --length-token prompts of code holding a definition ``# set K1 K2 V1 V2`` about --distance tokens
-             (1K-4K) before the end, --distractors other definitions, and ending with the query ``# get K1 K2``:
+  retrieval  --length-token prompts of code holding a definition ``# set K V1 V2`` about --distance tokens
+             (1K-4K) before the end, --distractors other definitions, and ending with the query ``# get K``:
              accuracy = the next two tokens (greedy) are V1 V2; also the first token alone, the answer's NLL,
-             and whether the kept tokens hold the definition.
+             and whether the kept tokens hold the definition. Keys and values come from the task's held-out
+             word tokens, never in a training definition.
   text       --length-token windows of held-out code: perplexity of the true next --cont tokens (teacher-forced
              after the prompt), top-1 agreement with dense along them, and --gen greedy tokens against dense's.
 Prefill modes (each the server's ``SparsePrefill`` on the target, kept tokens at their own positions; decode
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
     target, draft = load_model(a.run / "target", a.dtype), load_model(a.run / "draft", a.dtype)
     use_fused_recurrence(target)  # as the server's text model (a no-op off CUDA); the draft gets it in ScoringJob
-    task = load_task(a.run / "tokenizer.json")
+    task = load_task(a.run / "tokenizer.json", "heldout")  # keys and values never trained on
     heldout = np.load(a.data / "corpus.npz")["heldout"].astype(np.int32)
     keeps = [float(k) for k in a.keep.split(",") if k]
     var = [float(k) for k in a.variants.split(",") if k]

@@ -1,14 +1,17 @@
 """A synthetic key-value retrieval task mixed into code, for training and judging long-context models.
 
-A definition line ``\\n# set K1 K2 V1 V2\\n`` and, later, a query ``\\n# get K1 K2`` whose answer is ``V1 V2``
-(then ``\\n``). Keys and values are single-word tokens of the tokenizer (`` foo``), two each, keys distinct
-within a window; key and value pools are disjoint. The value follows the key directly, so an attention layer
-that matches the key's tokens can copy it (an induction pattern), however far back the definition is.
+A definition line ``\\n# set K V1 V2\\n`` and, later, a query ``\\n# get K`` whose answer is ``V1 V2``
+(then ``\\n``). Keys and values are single-word tokens of the tokenizer (`` foo``), one token a key and two a
+value, keys distinct within a window; key and value pools are disjoint. The value follows the key directly, so
+an attention layer that matches the key can copy it (an induction pattern), however far back the definition is.
 
-Training windows carry several pairs at random places (``training_window``); the loss mask marks the
+Training windows carry many pairs at random places (``training_window``); the loss mask marks the
 answers' tokens. Judging prompts (``retrieval_prompt``) hold one queried definition at a chosen distance
 before the question plus distractor definitions, and end right after the queried key: the model's next
 tokens should be the value. Chance of the exact value is 1 / len(values)^2.
+
+A quarter of the word tokens is held out (a fixed shuffle; ``load_task(..., split=)``): judging uses keys and
+values the model never saw in a definition, so a right answer is retrieval, not a memorised pair.
 """
 
 from __future__ import annotations
@@ -30,21 +33,26 @@ class Task:
 
     @property
     def def_len(self) -> int:
-        return len(self.def_prefix) + 4 + len(self.newline)
+        return len(self.def_prefix) + 3 + len(self.newline)
 
     @property
     def query_len(self) -> int:  # with its answer and newline
-        return len(self.query_prefix) + 4 + len(self.newline)
+        return len(self.query_prefix) + 3 + len(self.newline)
 
-    def definition(self, key: tuple[int, int], value: tuple[int, int]) -> list[int]:
+    def definition(self, key: tuple[int], value: tuple[int, int]) -> list[int]:
         return [*self.def_prefix, *key, *value, *self.newline]
 
-    def query(self, key: tuple[int, int]) -> list[int]:
+    def query(self, key: tuple[int]) -> list[int]:
         return [*self.query_prefix, *key]
 
 
-def load_task(tokenizer_json: Path) -> Task:
-    """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``)."""
+SPLITS = ("train", "heldout")
+
+
+def load_task(tokenizer_json: Path, split: str = "train") -> Task:
+    """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``): held out, a
+    quarter of the single-word tokens (half keys, half values); for training, keys from the other three quarters and
+    values from every other identifier-like token."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
@@ -55,15 +63,24 @@ def load_task(tokenizer_json: Path) -> Task:
     words = [i for i in range(tok.get_vocab_size()) if re.fullmatch(r" [a-z]{3,10}", tok.decode([i]) or "")]
     if len(words) < 64:
         raise SystemExit(f"the tokenizer has only {len(words)} single-word tokens; the task needs 64")
-    ids = np.asarray(words, dtype=np.int64)
-    return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=ids[0::2], values=ids[1::2])
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    ids = np.random.default_rng(38).permutation(np.asarray(words, dtype=np.int64))
+    held = ids[: len(ids) // 4]
+    if split == "heldout":
+        return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=held[0::2], values=held[1::2])
+    keys = ids[len(ids) // 4 :][0::2]
+    # Training values: every identifier-like token but the held-out words and the keys, so what is learnt is to
+    # copy, not a small pool of likely answers (which would rank the held-out values below it).
+    names = [i for i in range(tok.get_vocab_size()) if re.fullmatch(r" ?[A-Za-z_][A-Za-z0-9_]+", tok.decode([i]) or "")]
+    values = np.setdiff1d(np.asarray(names, dtype=np.int64), np.concatenate([held, keys]))
+    return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=keys, values=values)
 
 
-def _pairs(task: Task, rng: np.random.Generator, n: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    firsts = rng.choice(task.keys, size=n, replace=False)  # distinct first key tokens: no two keys alike
-    seconds = rng.choice(task.keys, size=n)
+def _pairs(task: Task, rng: np.random.Generator, n: int) -> list[tuple[tuple[int], tuple[int, int]]]:
+    keys = rng.choice(task.keys, size=n, replace=False)  # distinct: no two keys alike in a window
     vals = rng.choice(task.values, size=(n, 2))
-    return [((int(a), int(b)), (int(v[0]), int(v[1]))) for a, b, v in zip(firsts, seconds, vals)]
+    return [((int(k),), (int(v[0]), int(v[1]))) for k, v in zip(keys, vals)]
 
 
 def training_window(task: Task, corpus: np.ndarray, rng: np.random.Generator, length: int, n_pairs: int
@@ -118,7 +135,7 @@ def retrieval_prompt(task: Task, corpus: np.ndarray, rng: np.random.Generator, l
     """A ``length``-token prompt of corpus text ending with a query; its definition starts about ``distance``
     tokens before the end, ``distractors`` other definitions anywhere before the query."""
     n = 1 + distractors
-    q_len = len(task.query_prefix) + 2
+    q_len = len(task.query_prefix) + 1
     text_len = length - n * task.def_len - q_len
     start = int(rng.integers(0, corpus.size - text_len))
     text = corpus[start : start + text_len].tolist()
@@ -134,7 +151,7 @@ def retrieval_prompt(task: Task, corpus: np.ndarray, rng: np.random.Generator, l
         seg = task.definition(*pairs[i])
         if i == 0:
             k0 = len(ids) + len(task.def_prefix)
-            span = (k0, k0 + 4)
+            span = (k0, k0 + 3)
         ids += seg
     ids += text[at:]
     ids += task.query(pairs[0][0])

@@ -12,7 +12,7 @@ with a synthetic retrieval task mixed in (retrieval_task.py), so the target has 
            RUN/train_log.json (with teacher-forced held-out retrieval accuracy for both models).
 
 The pair is reproducible from the seed and the logged step count (--steps), not committed (the target is
-18.4M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
+17.6M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
 server's text engine runs. The GPU job (benchmarks/gpu/specprefill_lc.sh) runs prepare, train, and then
 benchmarks/specprefill_retrieval.py on the result.
 
@@ -38,19 +38,29 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 TOKENIZER = REPO / "models" / "tiny-qwen35-trained" / "tokenizer.json"
 
-# 18.4M parameters (3.1M of them embeddings): 8 layers, [gated delta x3, attention] x2, vocab 4096 untied.
-TARGET = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 8, "full_attention_interval": 4,
-          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 3,
-          "linear_num_value_heads": 6, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+# 17.6M parameters (4.2M of them embeddings): 4 layers, [gated delta, attention] x2, vocab 4096 untied. Wide and
+# shallow: a training step's cost is mostly the gated delta's sequential chunks, per layer.
+TARGET = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "full_attention_interval": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4,
+          "linear_num_value_heads": 8, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
 # 2.6M: one gated delta layer (its short convolution sees the previous tokens) and one attention layer.
 DRAFT = {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 2, "full_attention_interval": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
          "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
 # --small: a CPU smoke shape
-SMALL_TARGET = {**TARGET, "hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 4,
-                "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+SMALL_TARGET = {**TARGET, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "full_attention_interval": 4,
+                "num_attention_heads": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
 SMALL_DRAFT = {**DRAFT, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 2, "num_key_value_heads": 1,
                "linear_num_key_heads": 1, "linear_num_value_heads": 2}
+# --shape tiny: the CPU proof of the recipe (4 layers, [gated delta, attention] x2)
+TINY_TARGET = {**SMALL_TARGET, "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 4, "full_attention_interval": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 2}
+# --shape proof: the least that shows the recipe on a slow CPU: [gated delta, attention] each (mlx-lm's qwen3_5 needs a
+# gated-delta layer), the draft narrow
+PROOF_TARGET = {**TINY_TARGET, "num_hidden_layers": 2}
+PROOF_DRAFT = {**SMALL_DRAFT, "hidden_size": 32, "intermediate_size": 64}
+SHAPES = {"full": (TARGET, DRAFT), "small": (SMALL_TARGET, SMALL_DRAFT), "tiny": (TINY_TARGET, SMALL_DRAFT),
+          "proof": (PROOF_TARGET, PROOF_DRAFT)}
 
 
 def text_config(shape: dict) -> dict:
@@ -139,19 +149,21 @@ def seq_losses(lm, x, mask):
 # ---------------------------------------------------------------------------
 
 
-def batches(task, corpus: np.ndarray, batch: int, seq: int, pairs: tuple[int, int], rng: np.random.Generator):
+def batches(task, corpus: np.ndarray, batch: int, seq: int, pairs_per_k: tuple[float, float], rng: np.random.Generator):
     from retrieval_task import training_window
 
+    lo, hi = (min(len(task.keys), max(1, round(p * seq / 1024))) for p in pairs_per_k)  # keys are distinct in a window
     while True:
-        rows = [training_window(task, corpus, rng, seq + 1, int(rng.integers(pairs[0], pairs[1] + 1))) for _ in range(batch)]
+        rows = [training_window(task, corpus, rng, seq + 1, int(rng.integers(lo, hi + 1))) for _ in range(batch)]
         yield np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
-def heldout_retrieval(models: dict, task, heldout: np.ndarray, seq: int, windows: int, batch: int, pairs: int) -> dict:
+def heldout_retrieval(models: dict, task, heldout: np.ndarray, seq: int, windows: int, batch: int,
+                      pairs_per_k: float) -> dict:
     import mlx.core as mx
 
     rng = np.random.default_rng(12345)
-    it = batches(task, heldout, batch, seq, (pairs, pairs), rng)
+    it = batches(task, heldout, batch, seq, (pairs_per_k, pairs_per_k), rng)
     tot = {name: np.zeros(3) for name in models}
     n = 0
     for _ in range(max(1, windows // batch)):
@@ -164,6 +176,22 @@ def heldout_retrieval(models: dict, task, heldout: np.ndarray, seq: int, windows
         n += 1
     return {name: {"heldout_ce": v[0] / n, "heldout_ppl": math.exp(v[0] / n), "answer_ce": v[1] / n,
                    "answer_token_acc_teacher_forced": v[2] / n} for name, v in tot.items()}
+
+
+def parse_curriculum(text: str) -> list[tuple[int, int, float]]:
+    """"512x16:0.5,4096x2:0.5" -> [(seq, batch, share of the training time)], shares summing to 1."""
+    phases = []
+    try:
+        for part in text.split(","):
+            shape, _, share = part.partition(":")
+            seq, _, batch = shape.partition("x")
+            phases.append((int(seq), int(batch), float(share or 1.0)))
+    except ValueError:
+        phases = []
+    if not phases or any(p[0] < 64 or p[1] < 1 or p[2] <= 0 for p in phases):
+        raise SystemExit(f"--curriculum: want SEQxBATCH:SHARE,... (SEQ >= 64, BATCH >= 1, SHARE > 0), got {text!r}")
+    total = sum(p[2] for p in phases)
+    return [(q, b, sh / total) for q, b, sh in phases]
 
 
 def cmd_train(a) -> None:
@@ -179,8 +207,13 @@ def cmd_train(a) -> None:
     data, out = Path(a.data), Path(a.out)
     corpus = np.load(data / "corpus.npz")
     train_tokens, heldout = corpus["train"].astype(np.int32), corpus["heldout"].astype(np.int32)
-    task = load_task(TOKENIZER)
-    cfgs = {"target": text_config(SMALL_TARGET if a.small else TARGET), "draft": text_config(SMALL_DRAFT if a.small else DRAFT)}
+    task, task_heldout = load_task(TOKENIZER, "train"), load_task(TOKENIZER, "heldout")
+    phases = parse_curriculum(a.curriculum)
+    fixed = [int(x) for x in a.steps.split(",")] if a.steps else None
+    if fixed is not None and len(fixed) != len(phases):
+        raise SystemExit("--steps: one count per curriculum phase")
+    pairs_per_k = tuple(float(x) for x in a.pairs_per_k.split(","))
+    cfgs = {"target": text_config(SHAPES[a.shape][0]), "draft": text_config(SHAPES[a.shape][1])}
     undo = patch_mlx_lm_qwen3_5(a.gdn_chunk) if a.gdn_chunk > 0 else None  # training only; serving runs mlx-lm's
     mx.random.seed(a.seed)
 
@@ -197,7 +230,7 @@ def cmd_train(a) -> None:
         init_weights(holder, a.seed + (name == "draft"))
     pair.train()
     params = {name: int(sum(v.size for _, v in tree_flatten(getattr(pair, name).parameters()))) for name in cfgs}
-    print(json.dumps({"params": params, "seq": a.seq, "batch": a.batch}), flush=True)
+    print(json.dumps({"params": params, "curriculum": phases}), flush=True)
 
     def loss_fn(m, x, mask):
         lt, rt, at = seq_losses(m.target, x, mask)
@@ -215,61 +248,69 @@ def cmd_train(a) -> None:
         return loss, aux
 
     step_c = mx.compile(step, inputs=state, outputs=state) if a.compile else step
-    deadline = t0 + a.time_budget
 
-    def lr_at(i: int, total: int) -> float:
-        warm = min(a.warmup, max(1, total // 10))
-        if i < warm:
-            return a.lr * (i + 1) / warm
-        frac = (i - warm) / max(1, total - warm)
-        return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    def lr_at(i: int, progress: float) -> float:
+        if i < a.warmup:
+            return a.lr * (i + 1) / a.warmup
+        return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
-    # The schedule needs a step count: a guess until the probe has timed warm steps, then fixed.
-    total = a.steps or a.max_steps
-    probe_done = a.steps is not None
-    it = batches(task, train_tokens, a.batch, a.seq, (a.pairs_min, a.pairs_max), np.random.default_rng(a.seed))
+    # Phases end at their share of the time left after the first step (which carries the backend's JIT), or
+    # at --steps; the learning rate follows the same clock.
+    rng = np.random.default_rng(a.seed)
     log: list[dict] = []
+    phase_steps: list[int] = []
     i = 0
-    t_first = t_probe = 0.0
+    t_first = 0.0
     t_train = time.perf_counter()
-    while i < total:
-        x, m = next(it)
-        opt.learning_rate = lr_at(i, total)
-        try:
-            loss, (lt, at, ld, ad) = step_c(mx.array(x), mx.array(m))
-            mx.eval(loss, state)
-        except Exception as exc:  # noqa: BLE001 - a backend without compile support still trains
-            if i > 0 or not a.compile:
-                raise
-            print(f"compiled step failed ({exc!r}); training uncompiled", flush=True)
-            step_c = step
-            loss, (lt, at, ld, ad) = step_c(mx.array(x), mx.array(m))
-            mx.eval(loss, state)
-        i += 1
-        now = time.perf_counter()
-        if i == 1:
-            t_first = now - t_train
-            print(f"first step {t_first:.1f} s", flush=True)
-        if not probe_done and i == a.probe_start:
-            t_probe = now
-        if not probe_done and i == a.probe_start + a.probe_steps:
-            per = (now - t_probe) / a.probe_steps
-            total = min(a.max_steps, max(i + 1, i + int((deadline - now) / per)))
-            probe_done = True
-            print(f"probe: {per * 1000:.0f} ms/step -> {total} steps", flush=True)
-        if a.steps is None and now > deadline + 0.05 * a.time_budget:
-            print(f"time budget exceeded at step {i}; stopping", flush=True)
-            total = i
-        if i % a.log_every == 0 or i == total:
-            rec = {"step": i, "loss": loss.item(), "target_ce": lt.item(), "target_answer_acc": at.item(),
-                   "draft_ce": ld.item(), "draft_answer_acc": ad.item(), "lr": float(opt.learning_rate),
-                   "s": round(now - t0, 1)}
-            log.append(rec)
-            print(json.dumps(rec), flush=True)
+    t_start, t_end = t_train, t0 + a.time_budget
+    cum = np.cumsum([p[2] for p in phases])
+    total_fixed = sum(fixed) if fixed else 0
+    for k, (seq, batch, _share) in enumerate(phases):
+        it = batches(task, train_tokens, batch, seq, pairs_per_k, rng)
+        done_here = 0
+        while True:
+            now = time.perf_counter()
+            if fixed is not None:
+                if done_here >= fixed[k]:
+                    break
+                progress = i / max(1, total_fixed)
+            else:
+                if i > 0 and now >= t_start + cum[k] * (t_end - t_start):
+                    break
+                progress = 0.0 if i == 0 else (now - t_start) / max(1e-9, t_end - t_start)
+            x, m = next(it)
+            opt.learning_rate = lr_at(i, progress)
+            try:
+                loss, (lt, at, ld, ad) = step_c(mx.array(x), mx.array(m))
+                mx.eval(loss, state)
+            except Exception as exc:  # noqa: BLE001 - a backend without compile support still trains
+                if i > 0 or not a.compile:
+                    raise
+                print(f"compiled step failed ({exc!r}); training uncompiled", flush=True)
+                step_c = step
+                loss, (lt, at, ld, ad) = step_c(mx.array(x), mx.array(m))
+                mx.eval(loss, state)
+            i += 1
+            done_here += 1
+            now = time.perf_counter()
+            if i == 1:
+                t_first = now - t_train
+                t_start = now
+                print(f"first step {t_first:.1f} s", flush=True)
+            if i % a.log_every == 0 or done_here == 1:
+                rec = {"step": i, "phase": k, "seq": seq, "loss": loss.item(), "target_ce": lt.item(),
+                       "target_answer_acc": at.item(), "draft_ce": ld.item(), "draft_answer_acc": ad.item(),
+                       "lr": float(opt.learning_rate), "s": round(now - t0, 1)}
+                log.append(rec)
+                print(json.dumps(rec), flush=True)
+        phase_steps.append(done_here)
+        print(json.dumps({"phase": k, "seq": seq, "batch": batch, "steps": done_here, "s": round(time.perf_counter() - t0, 1)}),
+              flush=True)
     train_s = time.perf_counter() - t_train
     pair.train(False)
-    ev = heldout_retrieval({"target": pair.target, "draft": pair.draft}, task, heldout, a.seq, a.eval_windows, a.batch,
-                           (a.pairs_min + a.pairs_max) // 2)
+    seq, batch, _ = phases[-1]
+    ev = heldout_retrieval({"target": pair.target, "draft": pair.draft}, task_heldout, heldout, seq, a.eval_windows, batch,
+                           sum(pairs_per_k) / 2)
     print(json.dumps(ev), flush=True)
     if undo is not None:
         undo()
@@ -281,13 +322,14 @@ def cmd_train(a) -> None:
         d.mkdir(parents=True, exist_ok=True)
         (d / "text_config.json").write_text(json.dumps(cfgs[name], indent=2))
         save_sharded(d, dict(tree_flatten(getattr(pair, name).parameters())))
-    summary = {"device": str(mx.default_device()), "mlx": mx.__version__, "params": params, "steps": i, "batch": a.batch,
-               "seq": a.seq, "tokens_seen": int(i * a.batch * a.seq), "train_tokens": int(train_tokens.size),
-               "train_seconds": round(train_s, 1), "first_step_seconds": round(t_first, 1),
-               "ms_per_step": round(1000 * (train_s - t_first) / max(1, i - 1), 1), "args": vars(a), "eval": ev,
-               "log": log}
+    tokens_seen = sum(n * q * b for n, (q, b, _) in zip(phase_steps, phases))
+    summary = {"device": str(mx.default_device()), "mlx": mx.__version__, "params": params, "steps": i,
+               "phase_steps": phase_steps, "reproduce": f"--steps {','.join(map(str, phase_steps))}",
+               "tokens_seen": int(tokens_seen), "train_tokens": int(train_tokens.size),
+               "train_seconds": round(train_s, 1), "first_step_seconds": round(t_first, 1), "args": vars(a),
+               "eval": ev, "log": log}
     (out / "train_log.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("steps", "train_seconds", "first_step_seconds", "ms_per_step")}), flush=True)
+    print(json.dumps({k: summary[k] for k in ("steps", "phase_steps", "train_seconds", "first_step_seconds")}), flush=True)
 
 
 def main(argv=None) -> None:
@@ -302,19 +344,15 @@ def main(argv=None) -> None:
     t.add_argument("--data", required=True)
     t.add_argument("--out", required=True)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
-    t.add_argument("--steps", type=int, default=None, help="fixed step count (reproduces a logged run)")
+    t.add_argument("--shape", choices=sorted(SHAPES), default="full", help="small / tiny: CPU shapes (smoke run, recipe proof)")
+    t.add_argument("--steps", default=None, help="fixed steps per curriculum phase, 'N,N,..' (reproduces a logged run)")
     t.add_argument("--time-budget", type=float, default=300.0, help="seconds from start to the last step")
-    t.add_argument("--max-steps", type=int, default=20_000)
-    t.add_argument("--probe-start", type=int, default=5)
-    t.add_argument("--probe-steps", type=int, default=10)
-    t.add_argument("--batch", type=int, default=4)
-    t.add_argument("--seq", type=int, default=4096)
-    t.add_argument("--pairs-min", type=int, default=4, help="retrieval pairs per training window, at least")
-    t.add_argument("--pairs-max", type=int, default=24)
-    t.add_argument("--retrieval-weight", type=float, default=1.0)
+    t.add_argument("--curriculum", default="512x16:0.45,1024x8:0.25,4096x2:0.3",
+                   help="training phases SEQxBATCH:SHARE (SHARE of the time budget), short windows first")
+    t.add_argument("--pairs-per-k", default="16,32", help="retrieval pairs per 1K tokens of a window: LO,HI")
+    t.add_argument("--retrieval-weight", type=float, default=4.0)
     t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--warmup", type=int, default=30)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--clip", type=float, default=1.0)
     t.add_argument("--eval-windows", type=int, default=16)

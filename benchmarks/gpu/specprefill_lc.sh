@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU SpecPrefill quality on a long-context pair (issue 38), in one call: tokenize the standard library
-# (training/train_long_context.py prepare), train an 18.4M Qwen3.5-shaped target and its 2.6M draft together on
-# 4096-token windows of code with the retrieval task mixed in (train, time-budgeted: the steps are fitted to what
-# is left after a timed probe; the first step includes MLX's CUDA JIT), then benchmarks/specprefill_retrieval.py on
-# the pair: dense vs SpecPrefill at keep 0.2 / 0.3 / 0.5 vs the most recent tokens, plus whole spans, dense ends
-# and the target scoring itself at 0.2.
+# (training/train_long_context.py prepare), train a 17.6M Qwen3.5-shaped target and its 2.6M draft together on
+# windows of code dense with the retrieval task, short windows first (the curriculum: 512, 1024, then 4096 tokens,
+# each phase a share of the time left after the first step, which carries MLX's CUDA JIT), then
+# benchmarks/specprefill_retrieval.py on the pair, with keys and values held out of training: dense vs SpecPrefill
+# at keep 0.2 / 0.3 / 0.5 vs the most recent tokens, plus whole spans, dense ends and the target scoring itself.
 #
 # Staging and running: benchmarks/README.md ("GPU runs").
 # Writes under $OUT: specprefill_lc.log (everything printed), corpus_meta.json, train_log.json (steps, ms/step,
@@ -12,9 +12,10 @@
 # specprefill_retrieval-gpu.json (the quality table: "summary"; per-prompt rows), specprefill_retrieval-gpu.md (the
 # docs table, filled), and with SPEC_LC_WEIGHTS=1 the
 # pair's weights (lc-run/target, lc-run/draft: fp32 shards, ~90 MB).
-# Environment: SPEC_LC_BUDGET_S (wall seconds for everything, setup included, default 520), SPEC_LC_EVAL_S (seconds
-# kept for the quality run, default 150), SPEC_LC_TRAIN_ARGS (extra train arguments, e.g. "--batch 8" or
-# "--steps 400" to repeat a logged run), SPEC_LC_EVAL_ARGS (extra specprefill_retrieval.py arguments),
+# Environment: SPEC_LC_BUDGET_S (wall seconds for everything, setup included, default 450), SPEC_LC_EVAL_S (seconds
+# kept for the quality run, default 120), SPEC_LC_TRAIN_ARGS (extra train arguments, e.g. "--curriculum
+# 512x32:0.6,4096x4:0.4" or "--steps 900,200,100" to repeat a logged run: train_log.json's "reproduce"), SPEC_LC_EVAL_ARGS (extra specprefill_retrieval.py arguments),
+# SPEC_LC_CURRICULUM (train phases SEQxBATCH:SHARE, default 512x32:0.5,1024x16:0.2,4096x4:0.3),
 # SPEC_LC_WEIGHTS (1: weights under $OUT), SPEC_LC_COMPILE (1: mx.compile the training step), SITE (default /root/site), OUT (default benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,8 +23,8 @@ REPO=$PWD
 SITE=${SITE:-/root/site}
 PY=${PY:-python3}
 OUT=${OUT:-$REPO/benchmarks/results}
-BUDGET_S=${SPEC_LC_BUDGET_S:-520}
-EVAL_S=${SPEC_LC_EVAL_S:-150}
+BUDGET_S=${SPEC_LC_BUDGET_S:-450}
+EVAL_S=${SPEC_LC_EVAL_S:-120}
 DATA=${SPEC_LC_DATA:-/tmp/specprefill_lc/data}
 RUN=/tmp/specprefill_lc/run
 [ "${SPEC_LC_WEIGHTS:-0}" = 1 ] && RUN=$OUT/lc-run
@@ -36,7 +37,8 @@ left() { echo $((BUDGET_S - ($(date +%s) - t_start))); }
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 echo "specprefill_lc: setup done, $(left) s left"
 if [ ! -e "$DATA/corpus.npz" ]; then
-  TOKENIZERS_PARALLELISM=true $PY training/train_long_context.py prepare --out "$DATA" || exit 4
+  TOKENIZERS_PARALLELISM=true $PY training/train_long_context.py prepare --out "$DATA" --train-tokens 8000000 \
+      --heldout-tokens 1000000 || exit 4
 fi
 cp "$DATA/corpus_meta.json" "$OUT/" 2>/dev/null
 train_s=$(( $(left) - EVAL_S - 20 ))
@@ -48,7 +50,8 @@ compile=--no-compile
 [ "${SPEC_LC_COMPILE:-0}" = 1 ] && compile=
 # shellcheck disable=SC2086
 timeout -k 10 $(( $(left) - 15 )) $PY training/train_long_context.py train --data "$DATA" --out "$RUN" \
-    --time-budget "$train_s" $compile ${SPEC_LC_TRAIN_ARGS:-} || exit 6
+    --time-budget "$train_s" --curriculum "${SPEC_LC_CURRICULUM:-512x32:0.5,1024x16:0.2,4096x4:0.3}" \
+    $compile ${SPEC_LC_TRAIN_ARGS:-} || exit 6
 cp "$RUN/train_log.json" "$OUT/"
 eval_s=$(( $(left) - 10 ))
 echo "specprefill_lc: trained, $eval_s s for the quality run"

@@ -28,9 +28,25 @@ from ..model.rotated_attention import rotated_layer
 from ..text_engine.state import PrefillState
 
 
+def rows_per_token(rope: nn.Module, head_dim: int) -> int:
+    """Rows each token takes in ``rope_at``'s layout (the token's, then zero rows): at least 16 / (rotated pairs).
+
+    MLX 0.32's CUDA RoPE with one offset per batch entry picks a block of up to 1024 threads over (rotated pairs,
+    rows, batch x heads / 4), filling the last axis with what the first two leave: with 8 pairs (head_dim 64 at
+    partial rotary 0.25) and one row that is 128 threads along z, over CUDA's limit of 64, and the launch fails
+    ("cudaGraphAddKernelNode ... invalid argument"). Rows along the middle axis keep z at 64 or less."""
+    pairs = max(1, int(getattr(rope, "dims", head_dim)) // 2)
+    return max(1, 16 // (1 << (pairs.bit_length() - 1)))
+
+
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     """``rope`` applied to x [1, H, L, D] with token l at positions[l] ([L] int32)."""
-    y = rope(x[0].transpose(1, 0, 2)[:, :, None, :], offset=positions)  # [L, H, 1, D]: one offset per token
+    _, H, L, D = x.shape
+    y = x[0].transpose(1, 0, 2)[:, :, None, :]  # [L, H, 1, D]: one offset per token, the token in row 0
+    rows = rows_per_token(rope, D)
+    if rows > 1:  # row 0 is rotated at offset + 0 whatever the rows after it: the same arithmetic
+        y = mx.concatenate([y, mx.zeros((L, H, rows - 1, D), y.dtype)], axis=2)
+    y = rope(y, offset=positions)
     return y[:, :, 0, :].transpose(1, 0, 2)[None]
 
 

@@ -1,0 +1,42 @@
+"""training/train_long_context.py: the curriculum's phases, their logged step counts, and the saved pair."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "training"))
+
+import train_long_context as L  # noqa: E402
+
+
+def test_curriculum_parses_and_normalises_shares() -> None:
+    assert L.parse_curriculum("512x32:0.5,4096x4:1.5") == [(512, 32, 0.25), (4096, 4, 0.75)]
+    assert L.parse_curriculum("256x8") == [(256, 8, 1.0)]
+    for bad in ("512:0.5", "32x4:1", "512x0:1", "512x4:0"):
+        with pytest.raises(SystemExit, match="--curriculum"):
+            L.parse_curriculum(bad)
+
+
+def test_fixed_steps_per_phase_train_log_and_load(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(data / "corpus.npz", train=rng.integers(300, 3000, 20_000).astype(np.uint16),
+             heldout=rng.integers(300, 3000, 5_000).astype(np.uint16))
+    out = tmp_path / "run"
+    L.main(["train", "--data", str(data), "--out", str(out), "--shape", "tiny", "--curriculum", "64x2:0.5,128x1:0.5",
+            "--steps", "2,1", "--pairs-per-k", "32,48", "--eval-windows", "1", "--no-compile"])
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["phase_steps"] == [2, 1] and log["reproduce"] == "--steps 2,1"
+    assert log["tokens_seen"] == 2 * 64 * 2 + 128
+    assert set(log["eval"]) == {"target", "draft"}
+    target = L.load_model(out / "target")
+    assert len(target.model.layers) == 4
+    with pytest.raises(SystemExit, match="one count per curriculum phase"):
+        L.main(["train", "--data", str(data), "--out", str(out), "--curriculum", "64x2", "--steps", "1,1"])
