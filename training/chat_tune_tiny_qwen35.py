@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import queue
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,35 @@ def cmd_train(a) -> None:
         return lc + a.chat_weight * ls, (main_c, agree_c, main_s, agree_s)
 
     grad_fn = nn.value_and_grad(model, loss_fn)
+
+    def make_batch(j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        long_step = a.long_every > 0 and j % a.long_every == a.long_every - 1
+        starts = rng.integers(0, corpus.size - a.seq - 2, size=a.batch)
+        xc = np.stack([corpus[s : s + a.seq + 2] for s in starts])
+        if long_step:
+            xs, ms = chat_rows(rng, tokenizer, sources, a.long_batch, a.long_seq, long_rows=True)
+        else:
+            xs, ms = chat_rows(rng, tokenizer, sources, a.chat_batch, a.chat_seq, long_rows=False)
+        return xc, xs, ms, long_step
+
+    # the samples are rendered and tokenized on a thread while the device runs the step before
+    batches: queue.Queue = queue.Queue(maxsize=4)
+    stop = threading.Event()
+
+    def produce() -> None:
+        j = 0
+        while not stop.is_set():
+            item = make_batch(j)
+            while not stop.is_set():
+                try:
+                    batches.put(item, timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            j += 1
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
     log: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     i = 0
@@ -173,13 +204,7 @@ def cmd_train(a) -> None:
         frac = i / a.steps if a.steps else elapsed / a.time_budget
         lr = a.lr * min(1.0, (i + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
         opt.learning_rate = lr
-        long_step = a.long_every > 0 and i % a.long_every == a.long_every - 1
-        starts = rng.integers(0, corpus.size - a.seq - 2, size=a.batch)
-        xc = np.stack([corpus[s : s + a.seq + 2] for s in starts])
-        if long_step:
-            xs, ms = chat_rows(rng, tokenizer, sources, a.long_batch, a.long_seq, long_rows=True)
-        else:
-            xs, ms = chat_rows(rng, tokenizer, sources, a.chat_batch, a.chat_seq, long_rows=False)
+        xc, xs, ms, long_step = batches.get()
         (loss, aux), grads = grad_fn(model, mx.array(xc), mx.ones(xc.shape), mx.array(xs), mx.array(ms))
         grads, _ = optim.clip_grad_norm(grads, a.clip)
         opt.update(model, grads)
@@ -195,6 +220,7 @@ def cmd_train(a) -> None:
             log.append(rec)
             print(json.dumps(rec), flush=True)
     train_s = time.perf_counter() - t0
+    stop.set()
     model.eval()
     files = save_tuned(out, model)
     summary = {"device": str(mx.default_device()), "mlx": mx.__version__, "steps": i, "train_seconds": train_s,
