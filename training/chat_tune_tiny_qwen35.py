@@ -84,8 +84,9 @@ def chat_rows(rng: np.random.Generator, tokenizer: Any, sources: list, batch: in
     return x, mask
 
 
-def masked_losses(model, x, mask, distill: float):
-    """train_tiny_qwen35.losses with a per-token weight: backbone CE at t+1, MTP CE (+ distillation) at t+2."""
+def masked_losses(model, x, mask, distill: float, end_id: int = -1):
+    """train_tiny_qwen35.losses with a per-token weight: backbone CE at t+1, MTP CE (+ distillation) at t+2; and the
+    backbone's greedy accuracy where the target is ``end_id`` (<|im_end|>)."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -101,7 +102,9 @@ def masked_losses(model, x, mask, distill: float):
     teacher = mx.stop_gradient(mx.softmax(logits[:, 1:].astype(mx.float32), axis=-1))
     m_kd = (-(teacher * nn.log_softmax(m_logits.astype(mx.float32), axis=-1)).sum(-1) * m2).sum() / n2
     agree = ((mx.argmax(m_logits, -1) == mx.argmax(logits[:, 1:], -1)).astype(mx.float32) * m2).sum() / n2
-    return main, m_true, m_kd, agree
+    ends = (x[:, 1:] == end_id).astype(mx.float32) * m1
+    end_acc = ((mx.argmax(logits, -1) == end_id).astype(mx.float32) * ends).sum() / mx.maximum(ends.sum(), 1.0)
+    return main, m_true, m_kd, agree, mx.stop_gradient(end_acc)
 
 
 def save_tuned(out: Path, model, shard_bytes: int = 14 << 20) -> list[str]:
@@ -155,14 +158,16 @@ def cmd_train(a) -> None:
 
     opt = optim.AdamW(learning_rate=a.lr, weight_decay=a.weight_decay, betas=[0.9, 0.95])
 
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
     def part_loss(m, x, mask):
-        main, m_true, m_kd, agree = masked_losses(m, x, mask, a.mtp_distill)
-        return main + a.mtp_weight * ((1 - a.mtp_distill) * m_true + a.mtp_distill * m_kd), main, agree
+        main, m_true, m_kd, agree, end_acc = masked_losses(m, x, mask, a.mtp_distill, end_id)
+        return main + a.mtp_weight * ((1 - a.mtp_distill) * m_true + a.mtp_distill * m_kd), main, agree, end_acc
 
     def loss_fn(m, xc, mc, xs, ms):
-        lc, main_c, agree_c = part_loss(m, xc, mc)
-        ls, main_s, agree_s = part_loss(m, xs, ms)
-        return lc + a.chat_weight * ls, (main_c, agree_c, main_s, agree_s)
+        lc, main_c, agree_c, _ = part_loss(m, xc, mc)
+        ls, main_s, agree_s, end_acc = part_loss(m, xs, ms)
+        return lc + a.chat_weight * ls, (main_c, agree_c, main_s, agree_s, end_acc)
 
     grad_fn = nn.value_and_grad(model, loss_fn)
 
@@ -213,9 +218,9 @@ def cmd_train(a) -> None:
         if i == 1:
             t_first = time.perf_counter() - t0
         if i % a.log_every == 0 or i == 1:
-            main_c, agree_c, main_s, agree_s = (v.item() for v in aux)
+            main_c, agree_c, main_s, agree_s, end_acc = (v.item() for v in aux)
             rec = {"step": i, "loss": loss.item(), "corpus_ce": main_c, "corpus_mtp_agree": agree_c,
-                   "reply_ce": main_s, "reply_mtp_agree": agree_s, "long": bool(long_step), "lr": lr,
+                   "reply_ce": main_s, "reply_mtp_agree": agree_s, "reply_end_acc": end_acc, "long": bool(long_step), "lr": lr,
                    "s": time.perf_counter() - t0}
             log.append(rec)
             print(json.dumps(rec), flush=True)

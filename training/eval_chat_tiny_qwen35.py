@@ -143,6 +143,14 @@ def main(argv=None) -> None:
     print(json.dumps({"chat": summary}), flush=True)
     result: dict[str, Any] = {"model": str(a.model), "device": f"MLX {mx.__version__} {mx.default_device()}",
                               "max_new": a.max_new, "chat": summary, "rows": rows}
+
+    def write() -> None:  # after each part: a run cut by a timeout keeps what it measured
+        result["eval_seconds"] = time.perf_counter() - t0
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(result, indent=2))
+
+    write()
     if a.acceptance_prompts:
         tokens = heldout_tokens(a.model, a.stdlib, limit=200_000)
         tf = teacher_forced(tm, tokens, 256, 32, 8)
@@ -150,10 +158,7 @@ def main(argv=None) -> None:
         result["mtp"] = {"perplexity": tf["ppl"], "teacher_forced_agreement": tf["mtp_agreement"],
                          "greedy_acceptance": warm["acceptance"], "greedy": warm}
         print(json.dumps({"mtp": {k: v for k, v in result["mtp"].items() if k != "greedy"}}), flush=True)
-    result["eval_seconds"] = time.perf_counter() - t0
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2))
+        write()
 
 
 if __name__ == "__main__":

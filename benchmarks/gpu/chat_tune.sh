@@ -13,7 +13,7 @@
 #   python training/chat_tune_tiny_qwen35.py assemble --base models/tiny-qwen35-trained --weights $OUT \
 #       --out models/tiny-qwen35-trained
 # Environment: CHAT_TUNE_BUDGET_S (wall seconds for everything, setup included, default 450), CHAT_TUNE_EVAL_S
-# (seconds kept for the two evaluations, default 170), CHAT_TUNE_ARGS (extra train arguments, e.g. "--steps 600" to
+# (seconds kept for the two evaluations, default 150), CHAT_TUNE_ARGS (extra train arguments, e.g. "--steps 600" to
 # repeat a logged run), CHAT_EVAL_ARGS (extra eval arguments), SITE (default /root/site), OUT (default
 # benchmarks/results/chat_tune).
 set -uo pipefail
@@ -23,7 +23,7 @@ SITE=${SITE:-/root/site}
 PY=${PY:-python3}
 OUT=${OUT:-$REPO/benchmarks/results/chat_tune}
 BUDGET_S=${CHAT_TUNE_BUDGET_S:-450}
-EVAL_S=${CHAT_TUNE_EVAL_S:-170}
+EVAL_S=${CHAT_TUNE_EVAL_S:-150}
 RUN=/tmp/chat_tune
 mkdir -p "$OUT" "$RUN"
 
