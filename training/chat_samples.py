@@ -2,7 +2,7 @@
 
 A sample is a conversation rendered by the checkpoint's own chat template (tools included as agents send them,
 the template's thinking prefix when it adds one) and the assistant reply the model is taught to write: a short
-block of stdlib code (2-8 lines, no blank line inside, dedented) that ends where the source file has a blank line,
+block of stdlib code (2-5 lines of at most 72 characters, no blank line inside, dedented) that ends where the source file has a blank line,
 then ``\\n\\n`` and ``<|im_end|>``. The blank line is the cue a tiny model can learn: code modelling already
 predicts it where a block ends, and in an assistant turn it is always followed by the end of the turn.
 
@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+REPLY_LINES = 5  # a reply's most lines
+REPLY_LINE_CHARS = 72  # a reply line's most characters
 DEF_RE = re.compile(r"^\s*def ([A-Za-z_]\w*)\(([^)]*)\)")
 AGENT_NAMES = ("a coding agent", "an interactive CLI agent", "a software engineering assistant", "a code assistant",
                "a helpful assistant")
@@ -40,7 +42,7 @@ ASKS = (
 class SourceFile:
     module: str
     lines: list[str]
-    blocks: list[tuple[int, int]]  # [start, end) runs of 2-8 non-blank lines that end before a blank line
+    blocks: list[tuple[int, int]]  # [start, end): the last 2-5 lines of runs of non-blank lines ended by a blank line
     defs: list[tuple[str, list[str], str]]  # (name, argument names, a nearby line as its description)
 
 
@@ -54,9 +56,9 @@ def _blocks(lines: list[str]) -> list[tuple[int, int]]:
         j = i
         while j < len(lines) and lines[j].strip():
             j += 1
-        # a run ended by a blank line (not by the end of the file); its last 2-8 lines are a reply
+        # a run ended by a blank line (not by the end of the file); its last lines are a reply
         if j < len(lines) and j - i >= 2:
-            out.append((max(i, j - 8), j))
+            out.append((max(i, j - REPLY_LINES), j))
         i = j
     return out
 
@@ -77,7 +79,9 @@ def load_sources(stdlib: Path, heldout: bool, max_files: int | None = None) -> l
         except (UnicodeDecodeError, OSError):
             continue
         lines = [ln.rstrip() for ln in text.splitlines() if len(ln) <= 100]
-        blocks = [(s, e) for s, e in _blocks(lines) if all(ln.isascii() for ln in lines[s:e])]
+        # replies have short lines: a long line in an assistant turn is where greedy decoding loops
+        blocks = [(s, e) for s, e in _blocks(lines)
+                  if all(ln.isascii() and len(ln) <= REPLY_LINE_CHARS for ln in lines[s:e])]
         if not blocks:
             continue
         defs = []
@@ -97,7 +101,8 @@ def load_sources(stdlib: Path, heldout: bool, max_files: int | None = None) -> l
 
 def _reply(rng: np.random.Generator, src: SourceFile) -> str:
     s, e = src.blocks[int(rng.integers(len(src.blocks)))]
-    s = int(rng.integers(s, e - 1))  # at least 2 lines, ending at the block's end
+    # 2-5 lines ending at the block's end: short replies make the blank line likely enough for greedy decoding
+    s = max(s, e - int(rng.integers(2, REPLY_LINES + 1)))
     return textwrap.dedent("\n".join(src.lines[s:e]))
 
 

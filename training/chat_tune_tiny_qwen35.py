@@ -59,8 +59,9 @@ def corpus_tokens(tokenizer: Any, sources: list, rng: np.random.Generator, files
 
 
 def chat_rows(rng: np.random.Generator, tokenizer: Any, sources: list, batch: int, seq: int,
-              long_rows: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``batch`` rows of seq+2 tokens: chat samples packed from position 0, the rest padding; mask 1 on replies."""
+              long_rows: bool, end_weight: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """``batch`` rows of seq+2 tokens: chat samples packed from position 0, the rest padding; mask 1 on replies,
+    ``end_weight`` on each reply's last two tokens (the blank line and <|im_end|>)."""
     from chat_samples import build_sample
 
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -80,6 +81,7 @@ def chat_rows(rng: np.random.Generator, tokenizer: Any, sources: list, batch: in
                 continue
             x[b, pos : pos + len(ids)] = ids
             mask[b, pos + len(s.prompt) : pos + len(ids)] = 1.0
+            mask[b, pos + len(ids) - 2 : pos + len(ids)] = end_weight
             pos += len(ids)
     return x, mask
 
@@ -176,9 +178,9 @@ def cmd_train(a) -> None:
         starts = rng.integers(0, corpus.size - a.seq - 2, size=a.batch)
         xc = np.stack([corpus[s : s + a.seq + 2] for s in starts])
         if long_step:
-            xs, ms = chat_rows(rng, tokenizer, sources, a.long_batch, a.long_seq, long_rows=True)
+            xs, ms = chat_rows(rng, tokenizer, sources, a.long_batch, a.long_seq, True, a.end_weight)
         else:
-            xs, ms = chat_rows(rng, tokenizer, sources, a.chat_batch, a.chat_seq, long_rows=False)
+            xs, ms = chat_rows(rng, tokenizer, sources, a.chat_batch, a.chat_seq, False, a.end_weight)
         return xc, xs, ms, long_step
 
     # the samples are rendered and tokenized on a thread while the device runs the step before
@@ -295,6 +297,7 @@ def main(argv=None) -> None:
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--clip", type=float, default=1.0)
     t.add_argument("--chat-weight", type=float, default=1.0)
+    t.add_argument("--end-weight", type=float, default=1.0, help="loss weight of a reply's blank line and <|im_end|>")
     t.add_argument("--mtp-weight", type=float, default=0.5)
     t.add_argument("--mtp-distill", type=float, default=0.5)
     t.add_argument("--log-every", type=int, default=10)

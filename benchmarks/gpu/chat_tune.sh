@@ -37,7 +37,7 @@ echo "chat_tune: setup done, training for $train_s s"
 # the training stops itself at its budget (setup and its first steps' kernel JIT included); the timeout only guards
 # shellcheck disable=SC2086
 timeout -k 10 $(( train_s + 60 )) $PY training/chat_tune_tiny_qwen35.py train --base models/tiny-qwen35-trained \
-    --out "$RUN/weights" --time-budget "$train_s" --batch 32 --chat-batch 8 --chat-seq 2048 --long-seq 8192 \
+    --out "$RUN/weights" --time-budget "$train_s" --batch 32 --chat-batch 8 --chat-seq 2048 --long-seq 8192 --end-weight 2 \
     ${CHAT_TUNE_ARGS:-} | grep -v '^\[transformers\]' || exit 6
 cp "$RUN/weights/train_log.json" "$RUN"/weights/chat-*.safetensors "$OUT/"
 $PY training/chat_tune_tiny_qwen35.py assemble --base models/tiny-qwen35-trained --weights "$RUN/weights" \
