@@ -75,6 +75,10 @@ def test_toy_chat_tune_assembles_and_decodes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     C.main(["train", "--base", str(base), "--out", str(run), "--steps", "2", "--batch", "2", "--seq", "32",
             "--chat-batch", "1", "--chat-seq", "512", "--long-every", "0", "--corpus-files", "5", "--log-every", "1"])
+    from mlx_lm.models import qwen3_5
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    assert qwen3_5.gated_delta_update is gated_delta_update  # the training's chunked rule is undone
     log = json.loads((run / "train_log.json").read_text())
     assert log["steps"] == 2 and log["log"][0]["reply_ce"] > 0
     out = tmp_path / "tuned"

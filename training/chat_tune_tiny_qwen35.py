@@ -132,6 +132,19 @@ def save_tuned(out: Path, model, shard_bytes: int = 14 << 20) -> list[str]:
 
 
 def cmd_train(a) -> None:
+    undo = None
+    if a.gdn_chunk > 0:  # training only, undone after: serving runs mlx-lm's own recurrence
+        from chunked_gated_delta import patch_mlx_lm_qwen3_5
+
+        undo = patch_mlx_lm_qwen3_5(a.gdn_chunk)
+    try:
+        _train(a)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _train(a) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -146,10 +159,6 @@ def cmd_train(a) -> None:
     sources = load_sources(Path(a.stdlib), heldout=False)
     rng = np.random.default_rng(a.seed)
     corpus = corpus_tokens(tokenizer, sources, rng, a.corpus_files)
-    if a.gdn_chunk > 0:  # training only: serving runs mlx-lm's own recurrence
-        from chunked_gated_delta import patch_mlx_lm_qwen3_5
-
-        patch_mlx_lm_qwen3_5(a.gdn_chunk)
     text_config = json.loads((base / "config.json").read_text())["text_config"]
     mx.random.seed(a.seed)
     model, _ = make_models(text_config)
