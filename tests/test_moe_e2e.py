@@ -100,8 +100,9 @@ def test_images_take_the_media_path(fused: Server) -> None:
     texts = []
     for rgb in ((0, 0, 0), (255, 255, 255)):
         content = [{"type": "text", "text": "Describe the picture."}, {"type": "image_url", "image_url": {"url": png_data_url(rgb)}}]
-        texts.append(_chat(fused, content)["choices"][0]["message"]["content"])
-    assert texts[0] != texts[1]
+        choice = _chat(fused, content, logprobs=True)["choices"][0]
+        texts.append((choice["message"]["content"], [e["logprob"] for e in choice["logprobs"]["content"]]))
+    assert texts[0] != texts[1]  # the pixels reach the model (its greedy text may agree: then its probabilities don't)
     assert _status(fused)["routing"]["media"] == before + 2
 
 
