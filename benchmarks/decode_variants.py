@@ -14,7 +14,9 @@ not (a GPU), or again:
 The model takes the engine's layers for the device (the compiled step where ``swaps.compiled_decode_devices`` has it);
 per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
 between them (order flipped every round), the option switched for the one that runs. Reported per option and batch:
-the medians over rounds of on/off ratios of wall and CPU (process_time) seconds, and each side's median ms per step.
+the medians over rounds of on/off ratios of wall and CPU (process_time) seconds, each side's median ms per step, and
+whether both sides' rows hold the same tokens at the end (``tokens_equal``: greedy, the same steps; an option the engine
+turns on must keep it true).
 
   python benchmarks/decode_variants.py --shape 2b --out results/decode_variants_2b.json    # a GPU
   python benchmarks/decode_variants.py --smoke --out /tmp/decode_variants.json              # CPU, tiny shape
@@ -94,6 +96,8 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
                 w, c = steps(scheds[on], block)
                 wall[on].append(w)
                 cpu[on].append(c)
+        # Both sides decoded the same rows greedily for as many steps: an exact option leaves the same tokens.
+        same = tokens(scheds[True]) == tokens(scheds[False])
     finally:
         for layer, cls in zip(model.model.layers, classes):
             layer.__class__ = cls
@@ -103,7 +107,13 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         "on_over_off_wall": round(ratio(wall), 4), "on_over_off_cpu": round(ratio(cpu), 4),
         "off_ms": round(1e3 * statistics.median(wall[False]), 3), "on_ms": round(1e3 * statistics.median(wall[True]), 3),
         "off_cpu_ms": round(1e3 * statistics.median(cpu[False]), 3), "on_cpu_ms": round(1e3 * statistics.median(cpu[True]), 3),
+        "tokens_equal": same,
     }
+
+
+def tokens(sched: BatchScheduler) -> list[list[int]]:
+    """Each row's tokens so far, by request id."""
+    return [list(row.token_ids) for row in sorted(sched.running, key=lambda row: row.rid)]
 
 
 def main(argv: list[str] | None = None) -> int:
