@@ -9,6 +9,7 @@ a round, time to first token; then the ratios plugin / host and plugin / mlx-vlm
   python benchmarks/mixed_load.py                       # the committed trained model, CPU
   python benchmarks/mixed_load.py --mtp                 # the plugin with --enable-mtp (the host without: its MTP drops images)
   python benchmarks/mixed_load.py --model PATH --no-peer
+  python benchmarks/mixed_load.py --text-only --concurrency 1   # text decode alone against the host and mlx-vlm
 
 mlx-vlm's server needs `mlx-audio` importable (`pip install --no-deps mlx-audio`); without it, --no-peer.
 """
@@ -90,9 +91,9 @@ async def one(client: httpx.AsyncClient, model: str, msgs: list[dict], max_token
     return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "decode": (tokens - 1) / span if span > 0 else 0.0}
 
 
-async def round_of(url: str, model: str, concurrency: int, max_tokens: int, offset: int) -> dict:
+async def round_of(url: str, model: str, concurrency: int, max_tokens: int, offset: int, images: bool = True) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        kinds = [i % 2 == 1 for i in range(concurrency)]  # half of them with an image
+        kinds = [images and i % 2 == 1 for i in range(concurrency)]  # half of them with an image
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one(client, model, messages(offset + i, k), max_tokens) for i, k in enumerate(kinds)))
         wall = time.perf_counter() - t0
@@ -177,6 +178,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="rounds per server, alternated")
     ap.add_argument("--mtp", action="store_true", help="--enable-mtp on the plugin")
+    ap.add_argument("--text-only", action="store_true", help="no image requests (plain text decode against the others)")
     ap.add_argument("--no-peer", action="store_true", help="leave mlx-vlm's server out")
     ap.add_argument("--no-host", action="store_true", help="leave the host alone out")
     ap.add_argument("--second-turns", type=int, default=1, metavar="N",
@@ -202,23 +204,24 @@ def main() -> int:
         names = list(servers)
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                rounds[name].append(asyncio.run(round_of(servers[name], model, a.concurrency, a.max_tokens, 10 * r)))
+                rounds[name].append(asyncio.run(round_of(servers[name], model, a.concurrency, a.max_tokens, 10 * r,
+                                                         not a.text_only)))
                 print(f"round {r} {name}: {rounds[name][-1]['tokens']} tokens in {rounds[name][-1]['wall']:.1f}s", file=sys.stderr)
         pairs: dict[str, list[dict]] = {n: [] for n in servers}
         for i in range(a.second_turns):  # a new image each time, the same one for every server; the order rotates
             for name in names[i % len(names):] + names[: i % len(names)]:
                 pairs[name].append(asyncio.run(two_turns(servers[name], model, 1000 + i)))
         turns = {n: {"turn2_ttft_s": statistics.median(t["turn2_ttft_s"] for t in ts), "turn2_ttft_all_s": [
-            round(t["turn2_ttft_s"], 3) for t in ts], "turn2_cached_tokens": ts[-1]["turn2_cached_tokens"]}
+            round(t["turn2_ttft_s"], 3) for t in ts], "turn2_cached_tokens": ts[-1]["turn2_cached_tokens"]} if ts else {}
             for n, ts in pairs.items()}
         status = httpx.get(servers["plugin"] + "/v1/status", timeout=10).json()["plugins"]["mtp-routing"]
     report = {"command": " ".join(sys.argv), "commit": commit(), "device": device_line(), "model": str(a.model),
-              "concurrency": a.concurrency, "max_tokens": a.max_tokens, "rounds": a.rounds,
+              "concurrency": a.concurrency, "text_only": a.text_only, "max_tokens": a.max_tokens, "rounds": a.rounds,
               "plugin_mtp": a.mtp, "servers": {n: {**(summary(rs) if rs else {}), **turns[n]} for n, rs in rounds.items()},
               "plugin_routing": status.get("routing"), "plugin_mtp_acceptance": status.get("mtp", {}).get("acceptance_rate"),
               "plugin_mtp_media_rows": status.get("mtp", {}).get("media_rows")}
     keys = ["text_decode_tok_s", "image_decode_tok_s", "aggregate_tok_s", "text_ttft_s", "image_ttft_s"]
-    print(f"\nmixed load: concurrency {a.concurrency} (half with an image), {a.max_tokens} tokens, {a.rounds} rounds each, "
+    print(f"\nmixed load: concurrency {a.concurrency} ({'text only' if a.text_only else 'half with an image'}), {a.max_tokens} tokens, {a.rounds} rounds each, "
           f"plugin MTP {'on' if a.mtp else 'off'}")
     if a.rounds:
         print(f"{'server':<10}" + "".join(f"{k:>20}" for k in keys))
@@ -228,13 +231,15 @@ def main() -> int:
         p, o = report["servers"]["plugin"], report["servers"][other]
         ratios = {k: p[k] / o[k] if o[k] else float("nan") for k in keys[:3]} if a.rounds else {}
         # each conversation's pair (the same image on both servers, one after the other)
-        ratios["turn2_ttft_each"] = [round(x / y, 3) for x, y in zip(p["turn2_ttft_all_s"], o["turn2_ttft_all_s"]) if y]
+        ratios["turn2_ttft_each"] = [round(x / y, 3) for x, y in zip(p.get("turn2_ttft_all_s", []), o.get("turn2_ttft_all_s", [])) if y]
         report[f"plugin_vs_{other}"] = ratios
         if a.rounds:
             print(f"plugin / {other:<8}" + "".join(f"{ratios[k]:>20.2f}" for k in keys[:3]))
-        print(f"second turn, plugin / {other} per conversation: {ratios['turn2_ttft_each']}")
-    print("second turn resending a 448x448 image: " + ", ".join(
-        f"{n} {t['turn2_ttft_s']:.2f} s ({t['turn2_cached_tokens']} cached)" for n, t in turns.items()))
+        if a.second_turns:
+            print(f"second turn, plugin / {other} per conversation: {ratios['turn2_ttft_each']}")
+    if a.second_turns:
+        print("second turn resending a 448x448 image: " + ", ".join(
+            f"{n} {t['turn2_ttft_s']:.2f} s ({t['turn2_cached_tokens']} cached)" for n, t in turns.items()))
     if report["plugin_mtp_acceptance"] is not None:
         media = report.get("plugin_mtp_media_rows") or {}
         print(f"plugin MTP acceptance: {report['plugin_mtp_acceptance']:.3f}"
