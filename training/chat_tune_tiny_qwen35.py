@@ -132,16 +132,10 @@ def save_tuned(out: Path, model, shard_bytes: int = 14 << 20) -> list[str]:
 
 
 def cmd_train(a) -> None:
-    undo = None
-    if a.gdn_chunk > 0:  # training only, undone after: serving runs mlx-lm's own recurrence
-        from chunked_gated_delta import patch_mlx_lm_qwen3_5
+    from chunked_gated_delta import chunked_recurrence
 
-        undo = patch_mlx_lm_qwen3_5(a.gdn_chunk)
-    try:
+    with chunked_recurrence(a.gdn_chunk):  # training only: serving runs mlx-lm's own recurrence
         _train(a)
-    finally:
-        if undo is not None:
-            undo()
 
 
 def _train(a) -> None:

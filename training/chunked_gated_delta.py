@@ -18,6 +18,9 @@ Serving keeps mlx-lm's own recurrence; tests/test_training.py checks both agree.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -120,3 +123,16 @@ def patch_mlx_lm_qwen3_5(chunk: int = 16):
         qwen3_5.gated_delta_update = original
 
     return undo
+
+
+@contextlib.contextmanager
+def chunked_recurrence(chunk: int) -> Iterator[None]:
+    """Inside the block, mlx-lm qwen3_5's recurrence in the chunked form (training only); mlx-lm's own after it, also
+    when the block raises, so a process that trains and then serves or tests runs the recurrence it serves with.
+    ``chunk`` <= 0: unchanged."""
+    undo = patch_mlx_lm_qwen3_5(chunk) if chunk > 0 else None
+    try:
+        yield
+    finally:
+        if undo is not None:
+            undo()

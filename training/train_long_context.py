@@ -195,10 +195,16 @@ def parse_curriculum(text: str) -> list[tuple[int, int, float]]:
 
 
 def cmd_train(a) -> None:
+    from chunked_gated_delta import chunked_recurrence
+
+    with chunked_recurrence(a.gdn_chunk):  # training and its evaluation only: serving runs mlx-lm's own recurrence
+        _train(a)
+
+
+def _train(a) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from chunked_gated_delta import patch_mlx_lm_qwen3_5
     from mlx.utils import tree_flatten
     from retrieval_task import load_task
     from train_tiny_qwen35 import init_weights, save_sharded
@@ -214,7 +220,6 @@ def cmd_train(a) -> None:
         raise SystemExit("--steps: one count per curriculum phase")
     pairs_per_k = tuple(float(x) for x in a.pairs_per_k.split(","))
     cfgs = {"target": text_config(SHAPES[a.shape][0]), "draft": text_config(SHAPES[a.shape][1])}
-    undo = patch_mlx_lm_qwen3_5(a.gdn_chunk) if a.gdn_chunk > 0 else None  # training only; serving runs mlx-lm's
     mx.random.seed(a.seed)
 
     class Pair(nn.Module):
@@ -312,8 +317,6 @@ def cmd_train(a) -> None:
     ev = heldout_retrieval({"target": pair.target, "draft": pair.draft}, task_heldout, heldout, seq, a.eval_windows, batch,
                            sum(pairs_per_k) / 2)
     print(json.dumps(ev), flush=True)
-    if undo is not None:
-        undo()
     tok_out = out / "tokenizer.json"
     out.mkdir(parents=True, exist_ok=True)
     tok_out.write_bytes(TOKENIZER.read_bytes())

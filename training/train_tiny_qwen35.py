@@ -324,6 +324,14 @@ def load_trained(weights_dir: Path) -> dict:
 
 
 def cmd_train(a) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from chunked_gated_delta import chunked_recurrence
+
+    with chunked_recurrence(a.gdn_chunk):  # training and its evaluation only: serving runs mlx-lm's own recurrence
+        _train(a)
+
+
+def _train(a) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -336,11 +344,6 @@ def cmd_train(a) -> None:
     corpus = np.load(data / "corpus.npz")
     train_tokens, heldout = corpus["train"], corpus["heldout"]
 
-    if a.gdn_chunk > 0:  # training only: the checkpoint is served by mlx-lm's own recurrence
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from chunked_gated_delta import patch_mlx_lm_qwen3_5
-
-        patch_mlx_lm_qwen3_5(a.gdn_chunk)
     mx.random.seed(a.seed)
     model, _ = make_models(text_config)
     init_weights(model, a.seed)
