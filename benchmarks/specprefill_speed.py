@@ -4,10 +4,9 @@
 For each prompt length and each draft, in process (``BatchScheduler``, greedy, max_tokens 1, the same
 --prefill-step-size chunks both ways):
   dense      the scheduler prefills the whole prompt and samples the first token;
-  sparse     ``specprefill.score_tokens`` (the draft scores the prompt: its prefill in chunks, the look-ahead,
-             the chunk selection), ``specprefill.SparsePrefill`` (the kept tokens at their own positions),
-             then the scheduler samples the first token from that state (what ``prefill_sparse`` and the
-             server run, timed in its two parts).
+  sparse     the same scheduler with its ``SpecPrefill`` as the server runs it (the draft scores the prompt: its
+             prefill in chunks, the look-ahead, the chunk selection; the kept tokens prefilled at their own positions;
+             the first token sampled), scoring timed apart (the engine's ``scoring_s``).
 The draft cost is the scoring time, the target cost the dense TTFT; the ideal speedup is
 1 / (keep + draft_cost / target_cost), efficiency = measured speedup / ideal.
 
@@ -154,13 +153,13 @@ class Bench:
     def __init__(self, model, tokenizer, step: int) -> None:
         self.model, self.tokenizer, self.step = model, tokenizer, step
 
-    def _first_token(self, prompt: list[int], state=None) -> None:
+    def _first_token(self, prompt: list[int], specprefill=None) -> None:
         from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
         from vllm_mlx_mtp_routing.text_engine.state import TextRequest
         from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
-        sched = BatchScheduler(self.model, self.tokenizer, prefill_step_size=self.step)
-        sched.add(TextRequest("r", prompt, SamplingOptions(max_tokens=1)), restored=state)
+        sched = BatchScheduler(self.model, self.tokenizer, prefill_step_size=self.step, specprefill=specprefill)
+        sched.add(TextRequest("r", prompt, SamplingOptions(max_tokens=1)))
         while sched.has_work():
             if any(o.finished for o in sched.step()):
                 return
@@ -175,23 +174,21 @@ class Bench:
         return time.perf_counter() - tic
 
     def sparse(self, draft, prompt: list[int], keep: float) -> dict:
-        """TTFT with SpecPrefill, split into scoring (the draft) and the rest (sparse prefill + first token)."""
+        """TTFT with SpecPrefill as the server runs it (the engine's ``SpecPrefill``, every prompt token past the
+        threshold), split into scoring (the draft) and the rest (sparse prefill + first token)."""
         import mlx.core as mx
 
-        from vllm_mlx_mtp_routing.specprefill import PrefillState, score_tokens
-        from vllm_mlx_mtp_routing.specprefill.sparse_prefill import SparsePrefill
+        from vllm_mlx_mtp_routing.specprefill import SpecPrefill, SpecPrefillSettings
 
+        spec = SpecPrefill(draft, SpecPrefillSettings(threshold=0, keep_pct=keep))
         mx.clear_cache()
         tic = time.perf_counter()
-        kept = score_tokens(draft, prompt, keep, chunk_tokens=self.step)
-        scored = time.perf_counter()
-        state = PrefillState()
-        job = SparsePrefill(self.model, prompt, kept, state, chunk_tokens=self.step)
-        while not job.done:
-            job.advance()
-        self._first_token(prompt, state)
+        self._first_token(prompt, spec)
         done = time.perf_counter()
-        return {"ttft_s": done - tic, "scoring_s": scored - tic, "kept": len(kept)}
+        m = spec.metrics
+        if m.requests != 1:
+            raise RuntimeError(f"SpecPrefill did not engage: {m.stats()}")
+        return {"ttft_s": done - tic, "scoring_s": m.scoring_s, "kept": m.tokens_kept}
 
 
 def versions() -> dict:

@@ -17,13 +17,14 @@ import time
 from typing import Protocol
 
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..prefix_cache.plan import SnapshotPlan
 from ..text_engine.row import Row
 from ..text_engine.spec.mtp import MTPDecode
 from ..text_engine.state import PrefillState
 from .metrics import SpecPrefillMetrics
-from .scoring import ScoringJob
+from .scoring import ScoringJob, draft_chunk
 from .settings import RequestChoice, SpecPrefillSettings, decide
 from .sparse_prefill import SparsePrefill
 
@@ -46,6 +47,13 @@ class SpecPrefill:
         self.draft = draft
         self.settings = settings or SpecPrefillSettings()
         self.metrics = SpecPrefillMetrics()
+        self._params: dict[int, int] = {}  # id(model) -> its parameter count, for the draft's chunk
+
+    def draft_chunk(self, scheduler: SparseTarget) -> int:
+        """The draft's prompt chunk beside ``scheduler``'s (``scoring.draft_chunk``): fixed for the server's life, so a
+        prompt's scores never depend on the other requests."""
+        sizes = [self._params.setdefault(id(m), _parameters(m)) for m in (scheduler.model, self.draft)]
+        return draft_chunk(scheduler.prefill_chunk, *sizes)
 
     def start(self, seq: Row, scheduler: SparseTarget) -> SparseJob | None:
         """The request's sparse job, or None (dense) with the reason counted."""
@@ -106,9 +114,11 @@ class SparseJob:
         self.prefill: SparsePrefill | None = None
         self.scoring_s = 0.0
         self.prefill_s = 0.0
+        self._draft_scale = 1  # draft tokens a target token's cost buys (its chunk over the target's)
         try:
-            self.scoring = ScoringJob(owner.draft, seq.req.prompt_ids, start, keep_pct, backbone_pct, owner.settings,
-                                      scheduler.prefill_chunk)
+            chunk = owner.draft_chunk(scheduler)
+            self._draft_scale = max(1, chunk // max(1, scheduler.prefill_chunk))
+            self.scoring = ScoringJob(owner.draft, seq.req.prompt_ids, start, keep_pct, backbone_pct, owner.settings, chunk)
         except Exception as exc:
             self._fall_back(exc)
 
@@ -121,26 +131,28 @@ class SparseJob:
         return self.scoring is not None or self.prefill is not None
 
     def next_cost(self) -> int:
+        """The next piece's cost in the target's prompt tokens."""
         if self.prefill is not None:
             return self.prefill.next_cost()
         assert self.scoring is not None  # active: scoring, then the prefill
-        return self.scoring.next_cost()
+        return -(-self.scoring.next_cost() // self._draft_scale)
 
-    def advance(self) -> int:
-        """One piece of work; the tokens it ran (0 after a fallback: the request goes on densely)."""
+    def advance(self, overlap: bool = False) -> int:
+        """One piece of work; its cost in the target's prompt tokens (0 after a fallback: the request goes on densely).
+        ``overlap``: no row decodes, so the piece is launched without waiting for the device (``ScoringJob.advance``)."""
         tic = time.perf_counter()
         if self.prefill is None:
             assert self.scoring is not None  # active: scoring, then the prefill
             try:
-                n = self.scoring.advance()
+                n = self.scoring.advance(overlap)
             except Exception as exc:
                 self._fall_back(exc)
                 return 0
             self.scoring_s += time.perf_counter() - tic
             if self.scoring.done:
                 self._begin_prefill()
-            return n
-        n = self.prefill.advance()  # a fault here is the request's own prefill fault (its caches changed)
+            return -(-n // self._draft_scale)
+        n = self.prefill.advance(overlap)  # a fault here is the request's own prefill fault (its caches changed)
         self.prefill_s += time.perf_counter() - tic
         if self.prefill.done:
             self._finish()
@@ -186,3 +198,7 @@ class SparseJob:
         if self.seq.specprefill_outcome is not None:
             self.seq.specprefill_outcome["reason"] = OUTCOME_REASONS["scoring_failed"]
         logger.warning("SpecPrefill scoring failed for %s (%s: %s): dense prefill", self.seq.rid, type(exc).__name__, exc)
+
+
+def _parameters(model: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -114,9 +114,8 @@ def lookahead_queries(draft: nn.Module, cache: list[Any], first_token: int, step
             if i in wanted:
                 got[i].append(queries(layer.self_attn, layer.input_layernorm(h), c.offset))
             h = layer(h, mask, c)
-        if step + 1 < steps:
+        if step + 1 < steps:  # left lazy: the look-ahead is one graph, evaluated by its reader
             token = mx.argmax(_lm_head(tm, tm.model.norm(h[:, -1:])), axis=-1).astype(mx.uint32)
-            mx.eval(token)
     return [mx.concatenate(got[i], axis=2) for i in layers]
 
 
@@ -170,6 +169,20 @@ def prefill_keys(draft: nn.Module, chunk: mx.array, cache: list[Any]) -> None:
     for layer, c, mask in zip(layers[:-1], cache, _layer_masks(tm, h, cache)):
         h = layer(h, mask, c)
     write_kv(layers[-1].self_attn, layers[-1].input_layernorm(h), cache[-1])
+
+
+# The draft's chunk over the target's is a quarter of their parameter ratio, within [1, 4]: a draft token's matmuls cost
+# about draft/target of a target token's, and attention over a long prompt raises the draft's share several times over
+# (an attention-only draft reads as many key dims per token as a hybrid target). Past 4x (8192 tokens) chunks gained
+# nothing measurable on an H100 (docs/benchmarks.md, SpecPrefill).
+MAX_DRAFT_CHUNK_SCALE = 4
+
+
+def draft_chunk(target_chunk: int, target_params: int, draft_params: int) -> int:
+    """The draft's prompt chunk for a target prefilled in ``target_chunk``-token chunks: the draft's costs about one of
+    the target's, in fewer, larger launches."""
+    scale = target_params // max(1, 4 * draft_params)
+    return max(1, target_chunk) * min(MAX_DRAFT_CHUNK_SCALE, max(1, scale))
 
 
 def _avg_pool(x: mx.array, kernel: int) -> mx.array:
@@ -263,14 +276,16 @@ class ScoringJob:
             return min(self.chunk_tokens - self.prefilled % self.chunk_tokens, self.to_prefill - self.prefilled)
         return self.settings.look_ahead
 
-    def advance(self) -> int:
-        """One piece: a draft prefill chunk, or the look-ahead and the selection; tokens fed."""
+    def advance(self, overlap: bool = False) -> int:
+        """One piece: a draft prefill chunk, or the look-ahead and the selection; tokens fed. ``overlap``: a prefill
+        chunk is launched and not waited for, so the next one is built while the device runs it (nothing else waits
+        on the device meanwhile: no row decodes)."""
         n = self.next_cost()
         assert self.cache is not None  # advanced only until done
         if self.prefilled < self.to_prefill:
             chunk = mx.array(self.prompt_ids[self.prefilled : self.prefilled + n], dtype=mx.uint32)[None]
             prefill_keys(self.draft, chunk, self.cache)
-            mx.eval([c.state for c in self.cache])
+            (mx.async_eval if overlap else mx.eval)([c.state for c in self.cache])
             self.prefilled += n
             return n
         s = self.settings

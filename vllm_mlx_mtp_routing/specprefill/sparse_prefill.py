@@ -107,7 +107,9 @@ class SparsePrefill:
     def next_cost(self) -> int:
         return min(self.chunk_tokens, len(self.kept) - self.done_tokens)
 
-    def advance(self) -> int:
+    def advance(self, overlap: bool = False) -> int:
+        """The next chunk of kept tokens; ``overlap``: launched and not waited for (see ``ScoringJob.advance``), but for
+        the last, so its time is the prefill's."""
         n = self.next_cost()
         pos = self.kept[self.done_tokens : self.done_tokens + n]
         ids = self.prompt_ids
@@ -133,8 +135,8 @@ class SparsePrefill:
             state.head_hidden = hidden[:, -1:]
             self._pending_at = pos[-1]
             arrays.append(state.head_hidden)
-        mx.eval(arrays)
         self.done_tokens += n
+        (mx.async_eval if overlap and not self.done else mx.eval)(arrays)
         if self.done:
             state.prefilled = state.position = len(ids) - 1
         return n

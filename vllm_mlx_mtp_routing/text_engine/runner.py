@@ -171,7 +171,7 @@ class ModelRunner:
                 elif isinstance(item, MediaEncode):
                     tokens = self._encode(item)
                 else:
-                    tokens = item.job.advance()
+                    tokens = item.job.advance(item.overlap)
             except Exception as e:  # only this row's own caches were touched
                 failed.add(id(item.row))
                 done.append(PrefillDone(0, time.perf_counter() - tic, e))

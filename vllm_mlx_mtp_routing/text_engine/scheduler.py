@@ -278,7 +278,7 @@ class BatchScheduler:
     def _next_work(self, row: Row) -> PrefillWork:
         job = row.sparse if row.sparse is not None and row.sparse.ready() else None
         if job is not None:
-            return SparsePiece(row, job, job.next_cost())
+            return SparsePiece(row, job, job.next_cost(), overlap=not self.running)
         partial = row.prefill.partial if row.prefill is not None else None
         if partial is not None:  # the chunk under way goes on from the layer it stopped at
             return self._piece(row, partial.start, partial.end, partial.next_layer)

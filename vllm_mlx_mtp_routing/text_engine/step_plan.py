@@ -57,6 +57,7 @@ class SparsePiece:
     row: Row
     job: SparseJobView
     tokens: int  # its projected cost in prompt tokens
+    overlap: bool = False  # no row decodes: launched without waiting for the device
 
 
 @dataclass(frozen=True)
