@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Protocol, cast
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
@@ -201,4 +202,5 @@ class SparseJob:
 
 
 def _parameters(model: nn.Module) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    leaves = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    return sum(v.size for _, v in leaves)
