@@ -9,7 +9,7 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
-  CPU only until measured on a GPU (``compiled_decode_devices``).
+  CPU and CUDA, where it was measured (``compiled_decode_devices``); Metal keeps mlx-lm's until measured there.
 - mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
   size as measured on the loaded model (``moe_dispatch.measure``, which ``build_text_model`` runs). Every device.
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
@@ -45,7 +45,7 @@ class Swapped:
 
 
 # Where the gated-delta layers' one-token step runs compiled: where it was measured to take less CPU per step.
-compiled_decode_devices = {"cpu"}
+compiled_decode_devices = {"cpu", "cuda"}
 
 
 def use_fused_recurrence(model: nn.Module) -> int:
