@@ -16,9 +16,10 @@ import train_long_context as L  # noqa: E402
 
 
 def test_curriculum_parses_and_normalises_shares() -> None:
-    assert L.parse_curriculum("512x32:0.5,4096x4:1.5") == [(512, 32, 0.25), (4096, 4, 0.75)]
-    assert L.parse_curriculum("256x8") == [(256, 8, 1.0)]
-    for bad in ("512:0.5", "32x4:1", "512x0:1", "512x4:0"):
+    assert L.parse_curriculum("512x32:0.5,4096x4:1.5") == [(512, 32, 0.25, None), (4096, 4, 0.75, None)]
+    assert L.parse_curriculum("256x8") == [(256, 8, 1.0, None)]
+    assert L.parse_curriculum("256x64@80:1,512x8:3") == [(256, 64, 0.25, 80.0), (512, 8, 0.75, None)]
+    for bad in ("512:0.5", "32x4:1", "512x0:1", "512x4:0", "256x8@0:1", "256x8@x:1"):
         with pytest.raises(SystemExit, match="--curriculum"):
             L.parse_curriculum(bad)
 
@@ -30,13 +31,23 @@ def test_fixed_steps_per_phase_train_log_and_load(tmp_path: Path) -> None:
     np.savez(data / "corpus.npz", train=rng.integers(300, 3000, 20_000).astype(np.uint16),
              heldout=rng.integers(300, 3000, 5_000).astype(np.uint16))
     out = tmp_path / "run"
-    L.main(["train", "--data", str(data), "--out", str(out), "--shape", "tiny", "--curriculum", "64x2:0.5,128x1:0.5",
-            "--steps", "2,1", "--pairs-per-k", "32,48", "--eval-windows", "1", "--no-compile"])
+    L.main(["train", "--data", str(data), "--out", str(out), "--shape", "tiny", "--curriculum", "64x2@500:0.3,64x2:0.3,128x1:0.4",
+            "--steps", "1,2,1", "--pairs-per-k", "32,48", "--eval-windows", "1", "--no-compile"])
     log = json.loads((out / "train_log.json").read_text())
-    assert log["phase_steps"] == [2, 1] and log["reproduce"] == "--steps 2,1"
-    assert log["tokens_seen"] == 2 * 64 * 2 + 128
+    assert log["phase_steps"] == [1, 2, 1] and log["reproduce"] == "--steps 1,2,1"
+    assert log["tokens_seen"] == 64 * 2 + 2 * 64 * 2 + 128
     assert set(log["eval"]) == {"target", "draft"}
     target = L.load_model(out / "target")
     assert len(target.model.layers) == 4
     with pytest.raises(SystemExit, match="one count per curriculum phase"):
         L.main(["train", "--data", str(data), "--out", str(out), "--curriculum", "64x2", "--steps", "1,1"])
+
+
+def test_a_dense_phase_fills_its_windows_with_pairs() -> None:
+    from retrieval_task import load_task
+
+    task = load_task(L.TOKENIZER, "train")
+    corpus = np.random.default_rng(0).integers(300, 3000, 5_000).astype(np.int32)
+    x, m = next(L.batches(task, corpus, 2, 256, (80.0, 80.0), np.random.default_rng(1)))
+    pairs = 256 // (task.def_len + task.query_len)
+    assert x.shape == (2, 257) and m.sum(axis=1).tolist() == [2 * pairs, 2 * pairs]  # two answer tokens a pair

@@ -152,7 +152,8 @@ def seq_losses(lm, x, mask):
 def batches(task, corpus: np.ndarray, batch: int, seq: int, pairs_per_k: tuple[float, float], rng: np.random.Generator):
     from retrieval_task import training_window
 
-    lo, hi = (min(len(task.keys), max(1, round(p * seq / 1024))) for p in pairs_per_k)  # keys are distinct in a window
+    fit = max(1, seq // (task.def_len + task.query_len))  # a window of pairs only, but a token of text
+    lo, hi = (min(len(task.keys), fit, max(1, round(p * seq / 1024))) for p in pairs_per_k)  # keys are distinct in a window
     while True:
         rows = [training_window(task, corpus, rng, seq + 1, int(rng.integers(lo, hi + 1))) for _ in range(batch)]
         yield np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
@@ -178,20 +179,23 @@ def heldout_retrieval(models: dict, task, heldout: np.ndarray, seq: int, windows
                    "answer_token_acc_teacher_forced": v[2] / n} for name, v in tot.items()}
 
 
-def parse_curriculum(text: str) -> list[tuple[int, int, float]]:
-    """"512x16:0.5,4096x2:0.5" -> [(seq, batch, share of the training time)], shares summing to 1."""
-    phases = []
+def parse_curriculum(text: str) -> list[tuple[int, int, float, float | None]]:
+    """"256x64@80:0.3,512x16:0.3,4096x2:0.4" -> [(seq, batch, share of the training time, retrieval pairs per 1K tokens
+    or None for --pairs-per-k)], shares summing to 1. ``@P``: a phase of P pairs per 1K tokens, as many as fit: at 80
+    a window is almost all definitions and queries, where copying is the only way to lower the answers' loss."""
+    phases: list[tuple[int, int, float, float | None]] = []
     try:
         for part in text.split(","):
             shape, _, share = part.partition(":")
+            shape, _, dense = shape.partition("@")
             seq, _, batch = shape.partition("x")
-            phases.append((int(seq), int(batch), float(share or 1.0)))
+            phases.append((int(seq), int(batch), float(share or 1.0), float(dense) if dense else None))
     except ValueError:
         phases = []
-    if not phases or any(p[0] < 64 or p[1] < 1 or p[2] <= 0 for p in phases):
-        raise SystemExit(f"--curriculum: want SEQxBATCH:SHARE,... (SEQ >= 64, BATCH >= 1, SHARE > 0), got {text!r}")
+    if not phases or any(p[0] < 64 or p[1] < 1 or p[2] <= 0 or (p[3] is not None and p[3] <= 0) for p in phases):
+        raise SystemExit(f"--curriculum: want SEQxBATCH[@PAIRS]:SHARE,... (SEQ >= 64, BATCH >= 1, PAIRS > 0, SHARE > 0), got {text!r}")
     total = sum(p[2] for p in phases)
-    return [(q, b, sh / total) for q, b, sh in phases]
+    return [(q, b, sh / total, d) for q, b, sh, d in phases]
 
 
 def cmd_train(a) -> None:
@@ -270,8 +274,8 @@ def _train(a) -> None:
     t_start, t_end = t_train, t0 + a.time_budget
     cum = np.cumsum([p[2] for p in phases])
     total_fixed = sum(fixed) if fixed else 0
-    for k, (seq, batch, _share) in enumerate(phases):
-        it = batches(task, train_tokens, batch, seq, pairs_per_k, rng)
+    for k, (seq, batch, _share, dense) in enumerate(phases):
+        it = batches(task, train_tokens, batch, seq, (dense, dense) if dense else pairs_per_k, rng)
         done_here = 0
         while True:
             now = time.perf_counter()
@@ -313,7 +317,7 @@ def _train(a) -> None:
               flush=True)
     train_s = time.perf_counter() - t_train
     pair.train(False)
-    seq, batch, _ = phases[-1]
+    seq, batch, _, _ = phases[-1]
     ev = heldout_retrieval({"target": pair.target, "draft": pair.draft}, task_heldout, heldout, seq, a.eval_windows, batch,
                            sum(pairs_per_k) / 2)
     print(json.dumps(ev), flush=True)
@@ -325,7 +329,7 @@ def _train(a) -> None:
         d.mkdir(parents=True, exist_ok=True)
         (d / "text_config.json").write_text(json.dumps(cfgs[name], indent=2))
         save_sharded(d, dict(tree_flatten(getattr(pair, name).parameters())))
-    tokens_seen = sum(n * q * b for n, (q, b, _) in zip(phase_steps, phases))
+    tokens_seen = sum(n * q * b for n, (q, b, _, _) in zip(phase_steps, phases))
     summary = {"device": str(mx.default_device()), "mlx": mx.__version__, "params": params, "steps": i,
                "phase_steps": phase_steps, "reproduce": f"--steps {','.join(map(str, phase_steps))}",
                "tokens_seen": int(tokens_seen), "train_tokens": int(train_tokens.size),
@@ -351,7 +355,7 @@ def main(argv=None) -> None:
     t.add_argument("--steps", default=None, help="fixed steps per curriculum phase, 'N,N,..' (reproduces a logged run)")
     t.add_argument("--time-budget", type=float, default=300.0, help="seconds from start to the last step")
     t.add_argument("--curriculum", default="512x16:0.45,1024x8:0.25,4096x2:0.3",
-                   help="training phases SEQxBATCH:SHARE (SHARE of the time budget), short windows first")
+                   help="training phases SEQxBATCH[@PAIRS_PER_1K]:SHARE (SHARE of the time budget), short windows first")
     t.add_argument("--pairs-per-k", default="16,32", help="retrieval pairs per 1K tokens of a window: LO,HI")
     t.add_argument("--retrieval-weight", type=float, default=4.0)
     t.add_argument("--lr", type=float, default=2e-3)

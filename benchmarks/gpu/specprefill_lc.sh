@@ -15,7 +15,7 @@
 # Environment: SPEC_LC_BUDGET_S (wall seconds for everything, setup included, default 450), SPEC_LC_EVAL_S (seconds
 # kept for the quality run, default 120), SPEC_LC_TRAIN_ARGS (extra train arguments, e.g. "--curriculum
 # 512x32:0.6,4096x4:0.4" or "--steps 900,200,100" to repeat a logged run: train_log.json's "reproduce"), SPEC_LC_EVAL_ARGS (extra specprefill_retrieval.py arguments),
-# SPEC_LC_CURRICULUM (train phases SEQxBATCH:SHARE, default 512x32:0.5,1024x16:0.2,4096x4:0.3),
+# SPEC_LC_CURRICULUM (train phases SEQxBATCH[@PAIRS_PER_1K]:SHARE, default 512x32:0.5,1024x16:0.2,4096x4:0.3),
 # SPEC_LC_WEIGHTS (1: weights under $OUT), SPEC_LC_COMPILE (1: mx.compile the training step), SITE (default /root/site), OUT (default benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
