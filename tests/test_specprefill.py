@@ -242,3 +242,52 @@ def test_the_per_request_decision_keeps_the_hosts_meaning():
                 {"specprefill": "yes"}, {"specprefill_keep_pct": 0.2, "specprefill_backbone_pct": 0.3}):
         with pytest.raises(ValueError, match="specprefill"):
             RequestChoice.from_options(bad)
+
+
+def test_the_draft_chunk_is_the_targets_scaled_by_their_sizes():
+    from vllm_mlx_mtp_routing.specprefill.scoring import MAX_DRAFT_CHUNK_SCALE, draft_chunk
+
+    assert draft_chunk(2048, 9_000_000_000, 500_000_000) == 2048 * MAX_DRAFT_CHUNK_SCALE == 8192
+    assert draft_chunk(2048, 3_000_000_000, 500_000_000) == 2048  # a quarter of 6x rounds down to 1
+    assert draft_chunk(512, 4_000_000, 500_000) == 1024
+    assert draft_chunk(64, 1_000, 2_000) == 64  # a draft as large as its target never gets smaller chunks
+
+
+def test_larger_overlapped_draft_chunks_keep_the_same_tokens_alone_and_beside_a_stream(tiny, draft):
+    """A draft 4x cheaper per token than its target takes 4x the chunk: one piece a step, planned at the target's cost;
+    launched without waiting when no row decodes, waited for while one does. On the CPU the output is that of the
+    target's chunk size, alone and beside a decoding stream."""
+    bundle, tok = tiny
+
+    def scheduler(scale: int) -> tuple[BatchScheduler, SpecPrefill, list]:
+        sp = SpecPrefill(draft, SpecPrefillSettings(threshold=100, keep_pct=0.3))
+        sp._params = {id(bundle.model): 4 * scale, id(draft): 1}  # the parameter counts the draft's chunk is sized from
+        sched = BatchScheduler(bundle.model, tok, prefill_step_size=64, specprefill=sp)
+        pieces: list = []
+        run_items = sched.runner.prefill
+        sched.runner.prefill = lambda work: pieces.extend(work) or run_items(work)  # type: ignore[method-assign]
+        return sched, sp, pieces
+
+    def sparse_pieces(pieces: list) -> list:
+        return [p for p in pieces if type(p).__name__ == "SparsePiece"]
+
+    sched, base, pieces = scheduler(1)
+    reference = run(sched, [TextRequest("long", PROMPT, OPTS)])
+    assert [p.tokens for p in sparse_pieces(pieces)][:4] == [64, 64, 64, 64]  # 64 draft tokens a piece
+
+    sched, big, pieces = scheduler(4)
+    alone = run(sched, [TextRequest("long", PROMPT, OPTS)])
+    assert [p.tokens for p in sparse_pieces(pieces)][:3] == [64, 1, 2]  # 256 draft tokens, the last 3, the look-ahead's 8
+    assert all(p.overlap for p in sparse_pieces(pieces))  # nothing decodes: each launched without waiting
+    assert alone["long"].token_ids == reference["long"].token_ids and big.metrics.tokens_kept == base.metrics.tokens_kept
+
+    sched, _, pieces = scheduler(4)
+    sched.add(TextRequest("stream", PROMPT[:20], SamplingOptions(max_tokens=200)))
+    while not sched.running:
+        sched.step()
+    sched.add(TextRequest("long", PROMPT, OPTS))
+    done: dict = {}
+    while "long" not in done:
+        done.update({o.request_id: o for o in sched.step() if o.finished})
+    assert sparse_pieces(pieces) and not any(p.overlap for p in sparse_pieces(pieces))  # a stream decodes: waited for
+    assert done["long"].token_ids == reference["long"].token_ids
