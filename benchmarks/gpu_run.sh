@@ -17,7 +17,6 @@
 #   kernels      the CUDA kernels' exactness and speed (recurrence, few-row matmul)
 #   cold         cold_ttft.py, a lone long prompt (10K, 27K tokens), host alone vs host + plugin, 2B shape
 #   chat_tune    the chat fine-tune of the trained model (training/chat_tune_tiny_qwen35.py), assembled and evaluated
-#   scoring_profile  specprefill_scoring_profile.py, the draft's prompt prefill by chunk size beside the dense prefill
 #   loops        decode_loops.py, the engine's step beside mlx-lm's loops at 2B / 9B / 35B-A3B, MoE MTP on vs plain
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -10,7 +10,7 @@ One prompt, random weights (``specprefill_speed.py``'s shapes), in process, medi
 Every time is also given over the dense prefill's.
 
   python benchmarks/specprefill_scoring_profile.py --smoke
-  python benchmarks/specprefill_scoring_profile.py --tokens 32768 --chunks 2048,4096,8192,16384 --out $OUT/scoring_profile.json
+  python benchmarks/specprefill_scoring_profile.py --tokens 32768 --chunks 2048,4096,8192,16384 --out $OUT/specprefill_scoring_profile-gpu.json
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@
 # SPEC_GPU_LENGTHS (default 8192,16384,32768), SPEC_GPU_DRAFTS (default qwen35-0.5b,attn-0.5b),
 # SPEC_GPU_KEEP (default 0.2,0.3), SPEC_GPU_REPEATS (default 3, the median is reported), SITE (default /root/site), OUT (default
 # benchmarks/results).
+# SPEC_GPU_PROFILE=1 runs benchmarks/specprefill_scoring_profile.py instead: the dense prefill beside the attn-0.5b draft's
+# prompt prefill by chunk size (SPEC_GPU_CHUNKS, default 2048,4096,8192,16384), waited for and overlapped, at the first
+# of SPEC_GPU_LENGTHS (default 32768); writes $OUT/specprefill_scoring_profile-gpu.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -31,6 +34,12 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 left=$((BUDGET_S - ($(date +%s) - t_start)))
 echo "gpu_specprefill: setup took $((BUDGET_S - left)) s; $left s left"
 [ "$left" -gt 60 ] || { echo "gpu_specprefill: no time left"; exit 5; }
+if [ "${SPEC_GPU_PROFILE:-0}" = 1 ]; then
+  tokens=${SPEC_GPU_LENGTHS:-32768}
+  timeout -k 20 "$left" $PY benchmarks/specprefill_scoring_profile.py --tokens "${tokens%%,*}" \
+      --chunks "${SPEC_GPU_CHUNKS:-2048,4096,8192,16384}" --out "$OUT/specprefill_scoring_profile-gpu.json"
+  return $?
+fi
 timeout -k 20 "$left" $PY benchmarks/specprefill_speed.py --target-shape qwen35-9b \
     --draft-shapes "${SPEC_GPU_DRAFTS:-qwen35-0.5b,attn-0.5b}" --lengths "${SPEC_GPU_LENGTHS:-8192,16384,32768}" \
     --keep "${SPEC_GPU_KEEP:-0.2,0.3}" --repeats "${SPEC_GPU_REPEATS:-3}" --budget-s $((left - 20)) \
