@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """SpecPrefill speed: time to first token, dense prefill vs SpecPrefill, on the text engine.
 
-For each prompt length and each draft, in process (``BatchScheduler``, greedy, max_tokens 1, the same
---prefill-step-size chunks both ways):
+For each prompt length and each draft, in process (``BatchScheduler``, greedy, max_tokens 1, the target in
+--prefill-step-size chunks both ways, the draft in the chunks the engine gives it):
   dense      the scheduler prefills the whole prompt and samples the first token;
   sparse     the same scheduler with its ``SpecPrefill`` as the server runs it (the draft scores the prompt: its
              prefill in chunks, the look-ahead, the chunk selection; the kept tokens prefilled at their own positions;
