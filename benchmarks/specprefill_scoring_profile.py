@@ -3,10 +3,9 @@
 
 One prompt, random weights (``specprefill_speed.py``'s shapes), in process, median of ``--repeats``:
   dense            the target's dense prefill (the ``BatchScheduler``, ``--prefill-step-size`` chunks): the reference;
-  prefill@C        the draft's ``prefill_keys`` over the prompt in chunks of C tokens, evaluated after every chunk
-                   (what ``ScoringJob.advance`` runs);
+  prefill@C        the engine's ``ScoringJob`` over the prompt in chunks of C tokens, each evaluated before the next;
   prefill@C async  the same chunks, each launched with ``mx.async_eval`` while the next one is built;
-  look-ahead       ``lookahead_queries`` and ``importance`` after the prompt (the scoring's other part).
+  look-ahead       the job's last piece: the look-ahead, the scores and the selection (the scoring's other part).
 Every time is also given over the dense prefill's.
 
   python benchmarks/specprefill_scoring_profile.py --smoke
@@ -42,54 +41,46 @@ def main(argv: list[str] | None = None) -> None:
         a.target_shape, a.draft_shape, a.tokens, a.chunks, a.repeats = "small", "small-attn", 512, "128,256", 1
 
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_tokenizer
     from specprefill_speed import TRAINED, Bench, prompt_ids, random_model, versions
 
-    from vllm_mlx_mtp_routing.specprefill.scoring import attention_layers, importance, lookahead_queries, prefill_keys, prepare_draft
+    from vllm_mlx_mtp_routing.specprefill.scoring import ScoringJob
     from vllm_mlx_mtp_routing.specprefill.settings import SpecPrefillSettings
 
     model, _ = random_model(a.target_shape, mx.bfloat16)
     draft, _ = random_model(a.draft_shape, mx.bfloat16)
-    layers = attention_layers(prepare_draft(draft))
     tokenizer = load_tokenizer(TRAINED)
     prompt = prompt_ids(tokenizer, a.tokens, False, seed=a.tokens)
     bench = Bench(model, tokenizer, a.prefill_step_size)
-    settings = SpecPrefillSettings()
 
-    def prefill(chunk: int, overlap: bool):
-        cache = make_prompt_cache(draft)
-        n = len(prompt) - 1
+    def score(chunk: int, overlap: bool) -> tuple[float, float]:
+        """The engine's scoring job in ``chunk``-token pieces: (its prompt prefill's seconds, the look-ahead's and the
+        selection's)."""
+        job = ScoringJob(draft, prompt, 0, 0.2, 0.0, SpecPrefillSettings(), chunk)
         mx.clear_cache()
         mx.synchronize()
         tic = time.perf_counter()
-        for start in range(0, n, chunk):
-            prefill_keys(draft, mx.array(prompt[start : min(n, start + chunk)], dtype=mx.uint32)[None], cache)
-            (mx.async_eval if overlap else mx.eval)([c.state for c in cache])
-        mx.eval([c.state for c in cache])
-        return time.perf_counter() - tic, cache
-
-    def rest(cache) -> float:
-        tic = time.perf_counter()
-        qs = lookahead_queries(draft, cache, prompt[-1], settings.look_ahead, layers)
-        mx.eval(importance(draft, cache, qs, layers, len(prompt) - 1, settings.pool_kernel))
-        return time.perf_counter() - tic
+        while job.prefilled < job.to_prefill:
+            job.advance(overlap)
+        mx.synchronize()
+        prefilled = time.perf_counter()
+        job.advance()
+        return prefilled - tic, time.perf_counter() - prefilled
 
     bench.dense(prompt[: min(len(prompt), 2048)])  # warm-up: kernels compiled, buffers cached
-    prefill(a.prefill_step_size, False)
+    score(a.prefill_step_size, False)
     dense = statistics.median(bench.dense(prompt) for _ in range(a.repeats))
     report: dict = {"versions": versions(), "args": {k: str(v) for k, v in vars(a).items()}, "dense_s": round(dense, 4), "rows": []}
     for chunk in (int(c) for c in a.chunks.split(",")):
         for overlap in (False, True):
-            runs = [prefill(chunk, overlap) for _ in range(a.repeats)]
+            runs = [score(chunk, overlap) for _ in range(a.repeats)]
             t = statistics.median(r[0] for r in runs)
             row = {"what": f"prefill@{chunk}" + (" async" if overlap else ""), "s": round(t, 4), "over_dense": round(t / dense, 4)}
             if not report["rows"]:
-                r = statistics.median(rest(runs[0][1]) for _ in range(a.repeats))
+                r = statistics.median(r[1] for r in runs)
                 report["rows"].append({"what": "look-ahead + importance", "s": round(r, 4), "over_dense": round(r / dense, 4)})
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
-            del runs
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2) + "\n")
