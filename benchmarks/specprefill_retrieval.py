@@ -8,8 +8,10 @@ held-out part of its corpus.npz with a fixed seed:
   retrieval  --length-token prompts of code holding a definition ``# set K V1 V2`` about --distance tokens
              (1K-4K) before the end, --distractors other definitions, and ending with the query ``# get K``:
              accuracy = the next two tokens (greedy) are V1 V2; also the first token alone, the answer's NLL,
-             and whether the kept tokens hold the definition. Keys and values come from the task's held-out
-             word tokens, never in a training definition.
+             and whether the kept tokens hold the definition. --pairs train: keys and values from the training
+             pools, paired afresh at random (training pairs are random per window, so no pair can be recalled
+             from training); --pairs heldout: from the task's held-out word tokens, never in a training definition
+             (does the copy carry over to tokens the task never trained on).
   text       --length-token windows of held-out code: perplexity of the true next --cont tokens (teacher-forced
              after the prompt), top-1 agreement with dense along them, and --gen greedy tokens against dense's.
 Prefill modes (each the server's ``SparsePrefill`` on the target, kept tokens at their own positions; decode
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--text-prompts", type=int, default=24)
     ap.add_argument("--cont", type=int, default=64, help="continuation tokens scored on text prompts")
     ap.add_argument("--gen", type=int, default=16, help="greedy tokens compared with dense on text prompts (0: none)")
+    ap.add_argument("--pairs", choices=("train", "heldout"), default="train",
+                    help="retrieval keys and values: the training pools paired afresh, or held-out word tokens")
     ap.add_argument("--keep", default="0.2,0.3,0.5")
     ap.add_argument("--variants", default="0.2", help="keeps of the spans / ends / self modes ('' for none)")
     ap.add_argument("--dtype", default="float32")
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 
     target, draft = load_model(a.run / "target", a.dtype), load_model(a.run / "draft", a.dtype)
     use_fused_recurrence(target)  # as the server's text model (a no-op off CUDA); the draft gets it in ScoringJob
-    task = load_task(a.run / "tokenizer.json", "heldout")  # keys and values never trained on
+    task = load_task(a.run / "tokenizer.json", a.pairs)
     heldout = np.load(a.data / "corpus.npz")["heldout"].astype(np.int32)
     keeps = [float(k) for k in a.keep.split(",") if k]
     var = [float(k) for k in a.variants.split(",") if k]
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         sm = summary()
         out.write_text(json.dumps({
             "device": str(mx.default_device()), "mlx": mx.__version__, "commit": os.environ.get("BENCH_COMMIT", ""),
-            "args": {k: str(v) for k, v in vars(a).items()}, "chance_exact": 1.0 / len(task.values) ** 2,
+            "args": {k: str(v) for k, v in vars(a).items()}, "pairs": a.pairs, "chance_exact": 1.0 / len(task.values) ** 2,
             "chance_first": 1.0 / len(task.values), "retrieval_prompts": len(ret_rows), "text_prompts": len(text_rows),
             "seconds": round(time.perf_counter() - t0, 1), "summary": sm, "retrieval_rows": ret_rows, "text_rows": text_rows,
         }, indent=1) + "\n")

@@ -49,10 +49,10 @@ class Task:
 SPLITS = ("train", "heldout")
 
 
-def load_task(tokenizer_json: Path, split: str = "train") -> Task:
+def load_task(tokenizer_json: Path, split: str = "train", value_pool: int = 0) -> Task:
     """The task's token ids for this tokenizer (byte-level BPE: a word token decodes to `` word``): held out, a
     quarter of the single-word tokens (half keys, half values); for training, keys from the other three quarters and
-    values from every other identifier-like token."""
+    values from every other identifier-like token (``value_pool`` > 0: that many of them, a fixed draw)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
@@ -74,6 +74,8 @@ def load_task(tokenizer_json: Path, split: str = "train") -> Task:
     # copy, not a small pool of likely answers (which would rank the held-out values below it).
     names = [i for i in range(tok.get_vocab_size()) if re.fullmatch(r" ?[A-Za-z_][A-Za-z0-9_]+", tok.decode([i]) or "")]
     values = np.setdiff1d(np.asarray(names, dtype=np.int64), np.concatenate([held, keys]))
+    if value_pool > 0:
+        values = np.sort(np.random.default_rng(39).permutation(values)[:value_pool])
     return Task(enc("\n# set"), enc("\n# get"), enc("\n"), keys=keys, values=values)
 
 

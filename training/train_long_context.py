@@ -63,11 +63,20 @@ SHAPES = {"full": (TARGET, DRAFT), "small": (SMALL_TARGET, SMALL_DRAFT), "tiny":
           "proof": (PROOF_TARGET, PROOF_DRAFT)}
 
 
-def text_config(shape: dict) -> dict:
-    """A qwen3_5_text config: the committed trained model's (tokenizer, RoPE, norms) with this shape."""
+def text_config(shape: dict, tie: bool = False, layers: str = "") -> dict:
+    """A qwen3_5_text config: the committed trained model's (tokenizer, RoPE, norms) with this shape. ``tie``: the
+    output projection is the embedding (a copy learnt on some tokens then holds for any token); ``layers``: the layer
+    order, one letter a layer ("g" gated delta, "a" attention), else every ``full_attention_interval``-th attends."""
     base = json.loads((REPO / "models" / "tiny-qwen35-trained" / "config.json").read_text())["text_config"]
-    cfg = {**base, **shape, "mtp_num_hidden_layers": 0, "tie_word_embeddings": False, "max_position_embeddings": 32768}
+    cfg = {**base, **shape, "mtp_num_hidden_layers": 0, "tie_word_embeddings": tie, "max_position_embeddings": 32768}
     cfg.pop("mtp_hidden_state_mode", None)
+    if layers:
+        if set(layers) - {"a", "g"} or "g" not in layers:
+            raise SystemExit(f"--target-layers: letters 'a' and 'g', at least one 'g' (mlx-lm's qwen3_5 needs one), got {layers!r}")
+        cfg["num_hidden_layers"] = len(layers)
+        cfg["layer_types"] = ["full_attention" if c == "a" else "linear_attention" for c in layers]
+        cfg["full_attention_interval"] = layers.index("a") + 1 if "a" in layers else len(layers) + 1
+        return cfg
     n, k = cfg["num_hidden_layers"], cfg["full_attention_interval"]
     cfg["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
     return cfg
@@ -217,23 +226,25 @@ def _train(a) -> None:
     data, out = Path(a.data), Path(a.out)
     corpus = np.load(data / "corpus.npz")
     train_tokens, heldout = corpus["train"].astype(np.int32), corpus["heldout"].astype(np.int32)
-    task, task_heldout = load_task(TOKENIZER, "train"), load_task(TOKENIZER, "heldout")
+    task, task_heldout = load_task(TOKENIZER, "train", value_pool=a.value_pool), load_task(TOKENIZER, "heldout")
     phases = parse_curriculum(a.curriculum)
     fixed = [int(x) for x in a.steps.split(",")] if a.steps else None
     if fixed is not None and len(fixed) != len(phases):
         raise SystemExit("--steps: one count per curriculum phase")
     pairs_per_k = tuple(float(x) for x in a.pairs_per_k.split(","))
-    cfgs = {"target": text_config(SHAPES[a.shape][0]), "draft": text_config(SHAPES[a.shape][1])}
+    cfgs = {"target": text_config(SHAPES[a.shape][0], a.tie, a.target_layers)}
+    if not a.target_only:
+        cfgs["draft"] = text_config(SHAPES[a.shape][1], a.tie)
     mx.random.seed(a.seed)
 
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
-            self.target = build(cfgs["target"])
-            self.draft = build(cfgs["draft"])
+            for name, cfg in cfgs.items():
+                setattr(self, name, build(cfg))
 
     pair = Pair()
-    for name in ("target", "draft"):  # init_weights reads .lm (and .mtp when present)
+    for name in cfgs:  # init_weights reads .lm (and .mtp when present)
         holder = nn.Module()
         holder.lm = getattr(pair, name)
         init_weights(holder, a.seed + (name == "draft"))
@@ -243,6 +254,8 @@ def _train(a) -> None:
 
     def loss_fn(m, x, mask):
         lt, rt, at = seq_losses(m.target, x, mask)
+        if a.target_only:
+            return lt + a.retrieval_weight * rt, (lt, at, lt * 0, at * 0)
         ld, rd, ad = seq_losses(m.draft, x, mask)
         return lt + a.retrieval_weight * rt + ld + a.retrieval_weight * rd, (lt, at, ld, ad)
 
@@ -318,8 +331,12 @@ def _train(a) -> None:
     train_s = time.perf_counter() - t_train
     pair.train(False)
     seq, batch, _, _ = phases[-1]
-    ev = heldout_retrieval({"target": pair.target, "draft": pair.draft}, task_heldout, heldout, seq, a.eval_windows, batch,
-                           sum(pairs_per_k) / 2)
+    models = {name: getattr(pair, name) for name in cfgs}
+    # Held-out text either way; pairs of held-out tokens, then pairs of the training pools drawn afresh.
+    ev = heldout_retrieval(models, task_heldout, heldout, seq, a.eval_windows, batch, sum(pairs_per_k) / 2)
+    fresh = heldout_retrieval(models, task, heldout, seq, a.eval_windows, batch, sum(pairs_per_k) / 2)
+    for name in ev:
+        ev[name].update({f"fresh_pairs_{k}": v for k, v in fresh[name].items() if k.startswith("answer")})
     print(json.dumps(ev), flush=True)
     tok_out = out / "tokenizer.json"
     out.mkdir(parents=True, exist_ok=True)
@@ -358,6 +375,10 @@ def main(argv=None) -> None:
                    help="training phases SEQxBATCH[@PAIRS_PER_1K]:SHARE (SHARE of the time budget), short windows first")
     t.add_argument("--pairs-per-k", default="16,32", help="retrieval pairs per 1K tokens of a window: LO,HI")
     t.add_argument("--retrieval-weight", type=float, default=4.0)
+    t.add_argument("--value-pool", type=int, default=0, help="training values: this many (a fixed draw), 0 = all ~2.7K")
+    t.add_argument("--tie", action="store_true", help="tie the output projection to the embedding (both models)")
+    t.add_argument("--target-layers", default="", help="the target's layer order, e.g. 'gaga' (g gated delta, a attention)")
+    t.add_argument("--target-only", action="store_true", help="train no draft (recipe probes)")
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--warmup", type=int, default=30)
     t.add_argument("--weight-decay", type=float, default=0.01)

@@ -16,7 +16,8 @@
 # kept for the quality run, default 120), SPEC_LC_TRAIN_ARGS (extra train arguments, e.g. "--curriculum
 # 512x32:0.6,4096x4:0.4" or "--steps 900,200,100" to repeat a logged run: train_log.json's "reproduce"), SPEC_LC_EVAL_ARGS (extra specprefill_retrieval.py arguments),
 # SPEC_LC_CURRICULUM (train phases SEQxBATCH[@PAIRS_PER_1K]:SHARE, default 512x32:0.5,1024x16:0.2,4096x4:0.3),
-# SPEC_LC_WEIGHTS (1: weights under $OUT), SPEC_LC_COMPILE (1: mx.compile the training step), SITE (default /root/site), OUT (default benchmarks/results).
+# SPEC_LC_HELDOUT_S (seconds kept for a retrieval-only pass with held-out keys and values, --pairs heldout:
+# specprefill_retrieval_heldout-gpu.json; default 0, none), SPEC_LC_WEIGHTS (1: weights under $OUT), SPEC_LC_COMPILE (1: mx.compile the training step), SITE (default /root/site), OUT (default benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -53,12 +54,18 @@ timeout -k 10 $(( $(left) - 15 )) $PY training/train_long_context.py train --dat
     --time-budget "$train_s" --curriculum "${SPEC_LC_CURRICULUM:-512x32:0.5,1024x16:0.2,4096x4:0.3}" \
     $compile ${SPEC_LC_TRAIN_ARGS:-} || exit 6
 cp "$RUN/train_log.json" "$OUT/"
-eval_s=$(( $(left) - 10 ))
+heldout_s=${SPEC_LC_HELDOUT_S:-0}
+eval_s=$(( $(left) - 10 - heldout_s ))
 echo "specprefill_lc: trained, $eval_s s for the quality run"
 # shellcheck disable=SC2086
 timeout -k 10 "$eval_s" $PY benchmarks/specprefill_retrieval.py --run "$RUN" --data "$DATA" --budget-s $((eval_s - 15)) \
     --out "$OUT/specprefill_retrieval-gpu.json" ${SPEC_LC_EVAL_ARGS:-}
 rc=$?
+if [ "$heldout_s" -gt 30 ]; then
+  # Retrieval alone with keys and values the task never trained on: does the copy carry over to any token.
+  timeout -k 10 "$(( $(left) - 5 ))" $PY benchmarks/specprefill_retrieval.py --run "$RUN" --data "$DATA" --pairs heldout \
+      --text-prompts 0 --variants "" --budget-s $(( $(left) - 20 )) --out "$OUT/specprefill_retrieval_heldout-gpu.json"
+fi
 echo "specprefill_lc: rc=$rc in $(( $(date +%s) - t_start )) s"
 return $rc
 }
