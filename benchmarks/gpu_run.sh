@@ -14,6 +14,7 @@
 #   specprefill  specprefill_speed.py, TTFT dense vs SpecPrefill at 8K-32K tokens, 9B-shaped target
 #   decode_variants  decode_variants.py, the compiled gated-delta step and the MTP early launch on vs off
 #   specprefill_lc  train a long-context pair (train_long_context.py), then specprefill_retrieval.py's quality table
+#   lc_probe     training recipes for the long-context target side by side (does the copy form)
 #   kernels      the CUDA kernels' exactness and speed (recurrence, few-row matmul)
 #   cold         cold_ttft.py, a lone long prompt (10K, 27K tokens), host alone vs host + plugin, 2B shape
 #   chat_tune    the chat fine-tune of the trained model (training/chat_tune_tiny_qwen35.py), assembled and evaluated

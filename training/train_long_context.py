@@ -12,7 +12,7 @@ with a synthetic retrieval task mixed in (retrieval_task.py), so the target has 
            RUN/train_log.json (with teacher-forced held-out retrieval accuracy for both models).
 
 The pair is reproducible from the seed and the logged step count (--steps), not committed (the target is
-17.6M parameters). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
+15.5M parameters with --tie). Both load with ``load_model(RUN / "target")`` as mlx-lm qwen3_5 text models, the class the
 server's text engine runs. The GPU job (benchmarks/gpu/specprefill_lc.sh) runs prepare, train, and then
 benchmarks/specprefill_retrieval.py on the result.
 
@@ -38,12 +38,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 TOKENIZER = REPO / "models" / "tiny-qwen35-trained" / "tokenizer.json"
 
-# 17.6M parameters (4.2M of them embeddings): 4 layers, [gated delta, attention] x2, vocab 4096 untied. Wide and
-# shallow: a training step's cost is mostly the gated delta's sequential chunks, per layer.
+# 17.6M parameters untied, 15.5M with --tie (2.1M of them the embedding): 4 layers, [gated delta, attention] x2, vocab
+# 4096. Wide and shallow: a training step's cost is mostly the gated delta's sequential chunks, per layer.
 TARGET = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "full_attention_interval": 2,
           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4,
           "linear_num_value_heads": 8, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
-# 2.6M: one gated delta layer (its short convolution sees the previous tokens) and one attention layer.
+# 2.6M (1.8M with --tie): one gated delta layer (its short convolution sees the previous tokens) and one attention layer.
 DRAFT = {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 2, "full_attention_interval": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
          "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
