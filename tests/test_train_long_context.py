@@ -51,3 +51,30 @@ def test_a_dense_phase_fills_its_windows_with_pairs() -> None:
     x, m = next(L.batches(task, corpus, 2, 256, (80.0, 80.0), np.random.default_rng(1)))
     pairs = 256 // (task.def_len + task.query_len)
     assert x.shape == (2, 257) and m.sum(axis=1).tolist() == [2 * pairs, 2 * pairs]  # two answer tokens a pair
+
+
+def test_tied_target_only_run_saves_and_loads(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(data / "corpus.npz", train=rng.integers(300, 3000, 20_000).astype(np.uint16),
+             heldout=rng.integers(300, 3000, 5_000).astype(np.uint16))
+    out = tmp_path / "run"
+    L.main(["train", "--data", str(data), "--out", str(out), "--shape", "proof", "--curriculum", "64x2@80:1", "--steps", "1",
+            "--tie", "--target-only", "--value-pool", "16", "--eval-windows", "1", "--no-compile"])
+    log = json.loads((out / "train_log.json").read_text())
+    assert set(log["eval"]) == {"target"} and not (out / "draft").exists()
+    assert {"answer_token_acc_teacher_forced", "fresh_pairs_answer_token_acc_teacher_forced"} <= set(log["eval"]["target"])
+    cfg = json.loads((out / "target" / "text_config.json").read_text())
+    assert cfg["tie_word_embeddings"]
+    target = L.load_model(out / "target")
+    assert "lm_head" not in target
+
+
+def test_a_value_pool_is_a_fixed_draw_of_the_training_values() -> None:
+    from retrieval_task import load_task
+
+    full, pool = load_task(L.TOKENIZER, "train"), load_task(L.TOKENIZER, "train", value_pool=32)
+    again = load_task(L.TOKENIZER, "train", value_pool=32)
+    assert len(pool.values) == 32 and set(pool.values) <= set(full.values)
+    assert pool.values.tolist() == again.values.tolist() and pool.keys.tolist() == full.keys.tolist()

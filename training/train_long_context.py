@@ -63,20 +63,12 @@ SHAPES = {"full": (TARGET, DRAFT), "small": (SMALL_TARGET, SMALL_DRAFT), "tiny":
           "proof": (PROOF_TARGET, PROOF_DRAFT)}
 
 
-def text_config(shape: dict, tie: bool = False, layers: str = "") -> dict:
+def text_config(shape: dict, tie: bool = False) -> dict:
     """A qwen3_5_text config: the committed trained model's (tokenizer, RoPE, norms) with this shape. ``tie``: the
-    output projection is the embedding (a copy learnt on some tokens then holds for any token); ``layers``: the layer
-    order, one letter a layer ("g" gated delta, "a" attention), else every ``full_attention_interval``-th attends."""
+    output projection is the embedding (a copy learnt on some tokens then holds for any token)."""
     base = json.loads((REPO / "models" / "tiny-qwen35-trained" / "config.json").read_text())["text_config"]
     cfg = {**base, **shape, "mtp_num_hidden_layers": 0, "tie_word_embeddings": tie, "max_position_embeddings": 32768}
     cfg.pop("mtp_hidden_state_mode", None)
-    if layers:
-        if set(layers) - {"a", "g"} or "g" not in layers:
-            raise SystemExit(f"--target-layers: letters 'a' and 'g', at least one 'g' (mlx-lm's qwen3_5 needs one), got {layers!r}")
-        cfg["num_hidden_layers"] = len(layers)
-        cfg["layer_types"] = ["full_attention" if c == "a" else "linear_attention" for c in layers]
-        cfg["full_attention_interval"] = layers.index("a") + 1 if "a" in layers else len(layers) + 1
-        return cfg
     n, k = cfg["num_hidden_layers"], cfg["full_attention_interval"]
     cfg["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
     return cfg
@@ -232,7 +224,7 @@ def _train(a) -> None:
     if fixed is not None and len(fixed) != len(phases):
         raise SystemExit("--steps: one count per curriculum phase")
     pairs_per_k = tuple(float(x) for x in a.pairs_per_k.split(","))
-    cfgs = {"target": text_config(SHAPES[a.shape][0], a.tie, a.target_layers)}
+    cfgs = {"target": text_config(SHAPES[a.shape][0], a.tie)}
     if not a.target_only:
         cfgs["draft"] = text_config(SHAPES[a.shape][1], a.tie)
     mx.random.seed(a.seed)
@@ -377,7 +369,6 @@ def main(argv=None) -> None:
     t.add_argument("--retrieval-weight", type=float, default=4.0)
     t.add_argument("--value-pool", type=int, default=0, help="training values: this many (a fixed draw), 0 = all ~2.7K")
     t.add_argument("--tie", action="store_true", help="tie the output projection to the embedding (both models)")
-    t.add_argument("--target-layers", default="", help="the target's layer order, e.g. 'gaga' (g gated delta, a attention)")
     t.add_argument("--target-only", action="store_true", help="train no draft (recipe probes)")
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--warmup", type=int, default=30)
