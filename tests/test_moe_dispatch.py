@@ -74,3 +74,33 @@ def test_measured_at_build_and_both_ways_give_the_same_bits_on_the_cpu(
     finally:
         set_plan(plan, model, head)
     assert mx.array_equal(every_gather, every_sort).item()
+
+
+def test_a_gpu_measures_every_decode_size_each_compiled_before_it_is_timed(
+    moe_vlm_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU each new size's first call compiles kernels: it is made untimed, and the GPU's budget reaches every
+    decode size (at 1.5 s an H200 measured only 1-2 tokens of the 35B-A3B shape, so batch 4's verify kept mlx-lm's
+    sort)."""
+    from mlx_vlm import load
+
+    from vllm_mlx_mtp_routing.model.kernels import moe_dispatch
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
+
+    path = moe_vlm_factory("mlx")
+    vlm, _ = load(str(path))
+    bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
+    calls: list[tuple[int, bool]] = []
+    dispatch = DispatchedSwitchGLU.dispatch
+
+    def counted(self: DispatchedSwitchGLU, x: mx.array, indices: mx.array, do_sort: bool) -> mx.array:
+        calls.append((indices.shape[0], do_sort))
+        return dispatch(self, x, indices, do_sort)
+
+    monkeypatch.setattr(DispatchedSwitchGLU, "dispatch", counted)
+    monkeypatch.setattr(moe_dispatch, "on_gpu", lambda: True)
+    plan = moe_dispatch.measure(bundle.model, bundle.mtp)
+    assert plan is not None and [n for n, _ in plan.sort_at] == list(MEASURED_TOKENS)
+    layers = min(moe_dispatch.TIMED_LAYERS, len(bundle.model.model.layers))
+    for n in MEASURED_TOKENS:  # one untimed call each way, then the timed repeats
+        assert calls.count((n, False)) == calls.count((n, True)) == layers * (1 + moe_dispatch.REPEATS), n

@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlx_lm_internals import SwitchGLU, gather_sort, scatter_unsort
+from .device import on_gpu
 from .retype import modules_of, retype
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,9 @@ MLX_LM_SORT_PAIRS = 64  # mlx-lm 0.31.3's SwitchGLU: sort from this many (token,
 MEASURED_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 TIMED_LAYERS = 8  # MoE layers per timed call (their switches in one graph, as in a step)
 REPEATS = 3
-MEASURE_BUDGET_S = 1.5  # at start, after the warm-up; a GPU measures every size in a fraction of it
+# At start. A GPU compiles kernels for each new size on its first call (untimed, but on the clock): 1.5 s reached only
+# 1-2 tokens on an H200 at the 35B-A3B shape, so a GPU gets enough for every size; the CPU's budget stays small.
+MEASURE_BUDGET_S = {"cpu": 1.5, "gpu": 20.0}
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,12 @@ def _fastest_ms(fn: Callable[[], None]) -> float:
     return min(times)  # a short call's least disturbed run
 
 
-def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float = MEASURE_BUDGET_S) -> DispatchPlan | None:
+def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float | None = None) -> DispatchPlan | None:
     """Time both ways on up to ``TIMED_LAYERS`` of the model's MoE blocks at each of ``MEASURED_TOKENS`` in turn (inputs
     random, routed by each block's own router) until ``budget_s`` is spent, give the model's and the head's switches
     the plan of the faster ones, and return it; None for a model without MoE blocks. Sizes the budget left unmeasured
-    follow mlx-lm's rule (MLX's CPU backend, slow at this, measures the smallest decode calls only)."""
+    follow mlx-lm's rule (MLX's CPU backend, slow at this, measures the smallest decode calls only). On a GPU each size
+    is called both ways once before it is timed, so its kernels' compilation for a new size is not what is compared."""
     blocks = [layer.mlp for layer in model.model.layers if isinstance(getattr(layer.mlp, "switch_mlp", None), DispatchedSwitchGLU)]
     if not blocks:
         return None
@@ -143,6 +147,9 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float = M
     def call(x: mx.array, routed: list[mx.array], do_sort: bool) -> None:
         mx.eval([blk.switch_mlp.dispatch(x, inds, do_sort) for blk, inds in zip(blocks, routed)])
 
+    gpu = on_gpu()
+    if budget_s is None:
+        budget_s = MEASURE_BUDGET_S["gpu" if gpu else "cpu"]
     for do_sort in (False, True):  # kernels compiled and planned before the clock starts
         call(*inputs(MEASURED_TOKENS[0]), do_sort)
     sort_at, timings = [], []
@@ -151,6 +158,9 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float = M
         if time.perf_counter() > deadline:
             break
         x, routed = inputs(n)
+        if gpu and n != MEASURED_TOKENS[0]:
+            for do_sort in (False, True):  # this size's kernels compiled before it is timed
+                call(x, routed, do_sort)
         gather_ms = _fastest_ms(functools.partial(call, x, routed, False))
         sorted_ms = _fastest_ms(functools.partial(call, x, routed, True))
         sort_at.append((n, sorted_ms < gather_ms))
