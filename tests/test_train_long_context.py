@@ -24,12 +24,18 @@ def test_curriculum_parses_and_normalises_shares() -> None:
             L.parse_curriculum(bad)
 
 
-def test_fixed_steps_per_phase_train_log_and_load(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A corpus.npz of random token ids (train and held-out parts)."""
+    d = tmp_path / "data"
+    d.mkdir()
     rng = np.random.default_rng(0)
-    np.savez(data / "corpus.npz", train=rng.integers(300, 3000, 20_000).astype(np.uint16),
+    np.savez(d / "corpus.npz", train=rng.integers(300, 3000, 20_000).astype(np.uint16),
              heldout=rng.integers(300, 3000, 5_000).astype(np.uint16))
+    return d
+
+
+def test_fixed_steps_per_phase_train_log_and_load(tmp_path: Path, data: Path) -> None:
     out = tmp_path / "run"
     L.main(["train", "--data", str(data), "--out", str(out), "--shape", "tiny", "--curriculum", "64x2@500:0.3,64x2:0.3,128x1:0.4",
             "--steps", "1,2,1", "--pairs-per-k", "32,48", "--eval-windows", "1", "--no-compile"])
@@ -53,12 +59,7 @@ def test_a_dense_phase_fills_its_windows_with_pairs() -> None:
     assert x.shape == (2, 257) and m.sum(axis=1).tolist() == [2 * pairs, 2 * pairs]  # two answer tokens a pair
 
 
-def test_tied_target_only_run_saves_and_loads(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    np.savez(data / "corpus.npz", train=rng.integers(300, 3000, 20_000).astype(np.uint16),
-             heldout=rng.integers(300, 3000, 5_000).astype(np.uint16))
+def test_tied_target_only_run_saves_and_loads(tmp_path: Path, data: Path) -> None:
     out = tmp_path / "run"
     L.main(["train", "--data", str(data), "--out", str(out), "--shape", "proof", "--curriculum", "64x2@80:1", "--steps", "1",
             "--tie", "--target-only", "--value-pool", "16", "--eval-windows", "1", "--no-compile"])
