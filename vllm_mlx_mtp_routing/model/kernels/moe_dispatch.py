@@ -36,8 +36,8 @@ MLX_LM_SORT_PAIRS = 64  # mlx-lm 0.31.3's SwitchGLU: sort from this many (token,
 MEASURED_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 TIMED_LAYERS = 8  # MoE layers per timed call (their switches in one graph, as in a step)
 REPEATS = 3
-# At start. A GPU compiles kernels for each new size on its first call (untimed, but on the clock): 1.5 s reached only
-# 1-2 tokens on an H200 at the 35B-A3B shape, so a GPU gets enough for every size; the CPU's budget stays small.
+# At start. A GPU compiles kernels at each new size's first call (untimed, but on the clock), so it needs more to reach
+# every size; the CPU's stays small.
 MEASURE_BUDGET_S = {"cpu": 1.5, "gpu": 20.0}
 
 
