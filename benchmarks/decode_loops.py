@@ -382,22 +382,35 @@ def dispatch_plan(loaded: Loaded) -> Any:
 
 
 def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy) -> dict:
+    """MTP on against plain at batch ``B``: tokens/s of alternated rounds, and what a step of each costs (wall, process
+    CPU and, under CUPTI, the device's busy time per step; medians over the rounds), so a step that costs more than its
+    tokens pay for shows whether the device or the CPU grew."""
     from support.forced_acceptance import ForcedAcceptanceDecode
 
     prompts = prompts_for(loaded, B, a.prompt_tokens, seed=B)
 
-    def run(mtp: bool) -> tuple[float, dict]:
+    def run(mtp: bool, traced: bool = False) -> dict:
         decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
         loop = EngineLoop(loaded, prompts, decode, max_tokens=a.mtp_tokens)
+        drain()
         busy.quiesce()
-        before = loop.tokens
-        t = time.perf_counter()
+        before, steps = loop.tokens, 0
+        if traced:
+            busy.start()
+        t, c = time.perf_counter(), time.process_time()
         while loop.sched.has_work():
             loop.step()
-        return (loop.tokens - before) / (time.perf_counter() - t), decode.stats() if decode else {}
+            steps += 1
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        got = busy.stop() if traced else None
+        out = {"tok_s": (loop.tokens - before) / wall, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
+               "stats": decode.stats() if decode else {}}
+        if got is not None:
+            out["device_busy_ms"], out["kernels_per_step"] = 1e3 * got[0] / steps, got[1] / steps
+        return out
 
-    ratios, rates = [], {"plain": [], "mtp": []}
-    stats: dict = {}
+    ratios: list[float] = []
+    runs: dict[str, list[dict]] = {"plain": [], "mtp": []}
     for r in range(a.mtp_rounds + 1):  # round 0 warms up
         order = (False, True) if r % 2 else (True, False)
         got = {}
@@ -406,13 +419,22 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
             mx.clear_cache()
             got[mtp] = run(mtp)
         if r:
-            ratios.append(got[True][0] / got[False][0])
-            rates["plain"].append(round(got[False][0], 2))
-            rates["mtp"].append(round(got[True][0], 2))
-            stats = got[True][1]
-    return {"batch": B, "speedup": round(statistics.median(ratios), 3), "speedup_rounds": [round(x, 3) for x in ratios],
-            "plain_tok_s": rates["plain"], "mtp_tok_s": rates["mtp"],
-            "acceptance": round(stats.get("acceptance_rate", 0.0), 3)}
+            ratios.append(got[True]["tok_s"] / got[False]["tok_s"])
+            runs["plain"].append(got[False])
+            runs["mtp"].append(got[True])
+    row: dict[str, Any] = {"batch": B, "speedup": round(statistics.median(ratios), 3), "speedup_rounds": [round(x, 3) for x in ratios]}
+    for name, rs in runs.items():
+        row[f"{name}_tok_s"] = [round(x["tok_s"], 2) for x in rs]
+        for key in ("step_ms", "cpu_ms"):
+            row[f"{name}_{key}"] = round(statistics.median(x[key] for x in rs), 3)
+    row["acceptance"] = round(runs["mtp"][-1]["stats"].get("acceptance_rate", 0.0), 3)
+    if busy.available():  # one more run each way, traced: the device's share of a step
+        for name, mtp in (("plain", False), ("mtp", True)):
+            traced = run(mtp, traced=True)
+            if "device_busy_ms" in traced:
+                row[f"{name}_device_busy_ms"] = round(traced["device_busy_ms"], 3)
+                row[f"{name}_kernels_per_step"] = round(traced["kernels_per_step"], 1)
+    return row
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -438,9 +460,12 @@ def table(result: dict) -> str:
                 f"| {' / '.join(cell(row, n, 'device_busy_ms') for n in names)} | {row['bandwidth_bound_ms']:.2f} |")
     mtp = [(s["label"], m) for s in result["shapes"] for m in s.get("mtp", [])]
     if mtp:
-        lines += ["", "| shape | dispatch | B | MTP / plain | acceptance | rounds |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| shape | dispatch | B | MTP / plain | acceptance | rounds | step ms: plain / MTP "
+                  "| CPU ms/step: plain / MTP | device busy ms: plain / MTP |", "|" + " --- |" * 9]
         lines += [f"| {label} | {m.get('dispatch', '-')} | {m['batch']} | {m['speedup']:.3f} | {m['acceptance']} "
-                  f"| {m['speedup_rounds']} |" for label, m in mtp]
+                  f"| {m['speedup_rounds']} | {m.get('plain_step_ms', '-')} / {m.get('mtp_step_ms', '-')} "
+                  f"| {m.get('plain_cpu_ms', '-')} / {m.get('mtp_cpu_ms', '-')} "
+                  f"| {m.get('plain_device_busy_ms', '-')} / {m.get('mtp_device_busy_ms', '-')} |" for label, m in mtp]
     return "\n".join(lines)
 
 

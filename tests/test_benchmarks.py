@@ -142,6 +142,9 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
     assert [m["dispatch"] for m in shape["mtp"]] == ["measured", "mlx-lm"] and shape["moe_dispatch"]["sort_at"]
     for mtp in shape["mtp"]:
         assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1
+        # what a step of each side costs (no device busy time on the CPU)
+        assert all(mtp[f"{side}_{key}"] > 0 for side in ("plain", "mtp") for key in ("step_ms", "cpu_ms"))
+        assert "plain_device_busy_ms" not in mtp
 
 
 def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.MonkeyPatch) -> None:
