@@ -413,6 +413,10 @@ class Pattern(MTPDecode):
 
     def observe(self, batch, plan, result):
         super().observe(batch, plan, result)
+        if not plan.draft_tokens:
+            # A plain step is read after the next one was launched (ModelRunner.decode_ahead): the backbone may
+            # already hold that step's token. A drafting step, where the head runs, is never run ahead.
+            return
         head = batch.head[0]
         self.gaps.append([n - (int(p) + len(r.spec.pending_t) + r.spec.skipped)
                           for n, p, r in zip(batch.backbone.lengths(), head.offset.tolist(), batch.rows)])

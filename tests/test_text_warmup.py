@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -63,8 +65,10 @@ def test_each_batch_size_takes_a_plain_step_and_a_verify_and_nothing_counts(tiny
     # One row joins per size, its step plain; then a verify of k drafts where the server's policy would draft.
     assert decode.log[:5] == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 0)]
     # Then a long row takes the place of one: the two decode while it prefills, it joins, takes two tokens and leaves
-    # (its snapshots taken); a follow-up restores one, prefills the rest, joins and leaves the same way.
-    assert set(decode.log[5:-5]) == {(2, 0)} and decode.log[-5:] == [(3, 0), (3, 0), (2, 0), (3, 0), (3, 0)]
+    # (its snapshots taken); a follow-up restores one, prefills the rest, joins and leaves the same way. (Plain steps
+    # are launched one ahead, so how many two-row steps fall between depends on that.)
+    runs = [(step, len(list(same))) for step, same in itertools.groupby(decode.log[5:])]
+    assert [step for step, _ in runs] == [(2, 0), (3, 0), (2, 0), (3, 0)] and runs[1][1] == runs[3][1] == 2
     assert done.snapshots >= 2 and done.snapshot_hits >= 1  # in the rehearsal's own cache, dropped (below)
     assert done.batch_sizes == [1, 2, 3] and done.verify_batch_sizes == [1, 2] and done.draft_tokens == 2
     assert done.seconds > 0 and len(done.seconds_by_batch_size) == 3

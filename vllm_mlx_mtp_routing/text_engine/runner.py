@@ -122,20 +122,23 @@ def layered_prefill(
 
 @dataclass
 class _Launched:
-    """A plain decode step launched and not yet read: its rows, their sampled tokens and logits (on the device)."""
+    """A plain decode step launched and not yet read: its rows, their sampled tokens and logits (on the device), and
+    with MTP the hidden states the head's pairs take."""
 
     rows: list[Row]
     sampled: mx.array  # [B]
     logits: mx.array  # [B, V]
     samplers: list[RowSampler]
     read: bool = False  # its tokens were read when it was launched (see decode_ahead)
+    hidden: mx.array | None = None  # [B, 1, H] with MTP
 
     def take(self, keep: list[int]) -> _Launched | None:
         if not keep:
             return None
         idx = mx.array(keep, dtype=mx.int32)
         rows, samplers = [self.rows[i] for i in keep], [self.samplers[i] for i in keep]
-        return _Launched(rows, self.sampled[idx], self.logits[idx], samplers, self.read)
+        hidden = self.hidden[idx] if self.hidden is not None else None
+        return _Launched(rows, self.sampled[idx], self.logits[idx], samplers, self.read, hidden)
 
 
 class ModelRunner:
@@ -276,10 +279,11 @@ class ModelRunner:
             raise RuntimeError(f"a plan of {len(rows)} rows for a batch of {len(self.batch.rows)}")
         return rows
 
-    def can_decode_ahead(self, rows: Sequence[Row]) -> bool:
-        """A plain step can be launched before the tokens of the one before it are read: no MTP, and no row whose
-        logits processing reads its generated tokens (penalties, processors), which would then be one token short."""
-        return self.spec is None and all(r.sampler.logits is None for r in rows)
+    def can_decode_ahead(self, plan: DecodePlan) -> bool:
+        """A plain step can be launched before the tokens of the one before it are read: a step without drafts (with
+        MTP, one its draft policy made plain), and no row whose logits processing reads its generated tokens
+        (penalties, processors), which would then be one token short."""
+        return not plan.draft_tokens and all(r.sampler.logits is None for r in plan.rows)
 
     def decode_ahead(self, plan: DecodePlan) -> tuple[list[Row], DecodeResult] | None:
         """Launch the batch's next plain step (``mx.async_eval``), its inputs the tokens the step launched before it
@@ -309,12 +313,21 @@ class ModelRunner:
         return self._read(before) if before is not None and not before.read else None
 
     def _launch(self, rows: list[Row], before: _Launched | None) -> _Launched:
-        """A plain step of ``rows`` started on the device (``mx.async_eval``), its inputs from ``before`` where given."""
+        """A plain step of ``rows`` started on the device (``mx.async_eval``), its inputs from ``before`` where given.
+        With MTP it is the verify's forward without drafts, as a serial plain step: its hidden states become the head's
+        pending pairs when the step is read."""
         samplers = [r.sampler for r in rows]
-        logits = self.model(self._inputs(rows, before), cache=self.cache.layers)[:, -1, :]
+        x = self._inputs(rows, before)
+        hidden = None
+        if self.spec is None:
+            logits = self.model(x, cache=self.cache.layers)[:, -1, :]
+        else:
+            full, hidden, _ = verify.forward(self.model, x, self.cache, hidden_state_mode=self.spec.hidden_state_mode,
+                                             capture=False)
+            logits = full[:, -1, :]
         sampled = sample_rows(logits, samplers)
         mx.async_eval(sampled, self.cache.state())
-        return _Launched(rows, sampled, logits, samplers)
+        return _Launched(rows, sampled, logits, samplers, hidden=hidden)
 
     @staticmethod
     def _inputs(rows: list[Row], before: _Launched | None) -> mx.array:
@@ -328,10 +341,15 @@ class ModelRunner:
                  else mx.array([r.next_input], dtype=mx.uint32) for r in rows]  # rows that joined since
         return mx.concatenate(parts)[:, None]
 
-    @staticmethod
-    def _read(step: _Launched) -> tuple[list[Row], DecodeResult]:
+    def _read(self, step: _Launched) -> tuple[list[Row], DecodeResult]:
         tokens = [[t] for t in cast("list[int]", step.sampled.tolist())]
-        return step.rows, DecodeResult(tokens, logprobs=row_logprobs(step.logits[:, None], tokens, step.samplers))
+        logprobs = row_logprobs(step.logits[:, None], tokens, step.samplers)
+        if step.hidden is None:
+            return step.rows, DecodeResult(tokens, logprobs=logprobs)
+        assert self.spec is not None
+        self.spec.proposer.after_verify(cast("list[MTPRowState]", [r.spec for r in step.rows]), step.hidden, tokens)
+        none = [0] * len(tokens)  # as a serial plain step under MTP: no row drafted
+        return step.rows, DecodeResult(tokens, none, list(none), logprobs)
 
     def _speculative(self, plan: DecodePlan, rows: list[Row], samplers: list, x: mx.array) -> DecodeResult:
         spec = self.spec

@@ -360,18 +360,23 @@ class BatchScheduler:
         return DecodePlan(rows, k, drafting)
 
     def _decode(self) -> list[TextOutput]:
-        """One decode step of the batch. A plain step is launched before the previous one's tokens are read
-        (``ModelRunner.decode_ahead``), so it is those that come out here; a batch that cannot be decoded ahead reads the
-        launched step first and decodes serially from the next step on."""
+        """One decode step of the batch. A plain step (with MTP, one the draft policy made plain) is launched before the
+        previous one's tokens are read (``ModelRunner.decode_ahead``), so it is those that come out here; a step that
+        cannot be decoded ahead (drafts, logits processors) reads the launched step first and decodes serially from the
+        next step on. (A plan of drafts met with a launched step is dropped and made again at the next step.)"""
         rows = list(self.running)
         self.batch_size_histogram[len(rows)] = self.batch_size_histogram.get(len(rows), 0) + 1
         try:
-            if self.runner.can_decode_ahead(rows):
-                done = self.runner.decode_ahead(self._plan_decode(rows))
+            plan = self._plan_decode(rows)
+            if self.runner.can_decode_ahead(plan):
+                done = self.runner.decode_ahead(plan)
+                if done is not None:
+                    self._observe(DecodePlan(done[0]), done[1])
             else:
                 done = self.runner.settle()
-                if done is None:
-                    plan = self._plan_decode(rows)
+                if done is not None:
+                    self._observe(DecodePlan(done[0]), done[1])
+                else:
                     result = self.runner.decode(plan)
                     self._observe(plan, result)
                     done = (rows, result)
