@@ -361,32 +361,45 @@ class BatchScheduler:
 
     def _decode(self) -> list[TextOutput]:
         """One decode step of the batch. A plain step (with MTP, one the draft policy made plain) is launched before the
-        previous one's tokens are read (``ModelRunner.decode_ahead``), so it is those that come out here; a step that
-        cannot be decoded ahead (drafts, logits processors) reads the launched step first and decodes serially from the
-        next step on. (A plan of drafts met with a launched step is dropped and made again at the next step.)"""
+        previous one's tokens are read (``ModelRunner.decode_ahead``), so it is those that come out here. A step that
+        cannot be decoded ahead (drafts, logits processors) first reads the launched step, if any, and then runs
+        serially in the same call, as planned for the rows still running: the policy plans each step once."""
         rows = list(self.running)
         self.batch_size_histogram[len(rows)] = self.batch_size_histogram.get(len(rows), 0) + 1
+        outputs: list[TextOutput] = []
         try:
             plan = self._plan_decode(rows)
             if self.runner.can_decode_ahead(plan):
                 done = self.runner.decode_ahead(plan)
-                if done is not None:
-                    self._observe(DecodePlan(done[0]), done[1])
-            else:
-                done = self.runner.settle()
-                if done is not None:
-                    self._observe(DecodePlan(done[0]), done[1])
-                else:
-                    result = self.runner.decode(plan)
-                    self._observe(plan, result)
-                    done = (rows, result)
+                if done is None:
+                    return []
+                self._observe(DecodePlan(done[0]), done[1])
+                return self._emit(*done)
+            settled = self.runner.settle()
+            if settled is not None:
+                self._observe(DecodePlan(settled[0]), settled[1])
+                outputs = self._emit(*settled)
+                if not self.running:
+                    return outputs
+                plan = self._still_running(plan)
+            rows = list(plan.rows)
+            result = self.runner.decode(plan)
+            self._observe(plan, result)
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
             logger.exception("decode step failed; failing %d running requests", len(rows))
             self.runner.clear()
-            return [r.output("error", error=f"{type(e).__name__}: {e}") for r in rows]
-        if done is None:
-            return []
-        return self._emit(*done)
+            return outputs + [r.output("error", error=f"{type(e).__name__}: {e}") for r in rows]
+        return outputs + self._emit(rows, result)
+
+    def _still_running(self, plan: DecodePlan) -> DecodePlan:
+        """``plan`` for the rows still running after the launched step was read: rows that finished are gone, and a row
+        that can no longer draft (now at its last token) does not."""
+        rows = list(self.running)
+        if self.spec is None or not plan.draft_tokens:
+            return DecodePlan(rows)
+        was = {id(r): d for r, d in zip(plan.rows, plan.drafting)}
+        drafting = [was.get(id(r), False) and self.spec.can_draft(r) for r in rows]
+        return DecodePlan(rows, plan.draft_tokens, drafting) if any(drafting) else DecodePlan(rows, 0, drafting)
 
     def _emit(self, rows: list[Row], result: DecodeResult) -> list[TextOutput]:
         """The rows' tokens of one decode step: their outputs; rows that finished leave the batch."""

@@ -33,6 +33,7 @@ import mlx.core as mx
 from ...model.mtp import MTPHead
 from ..batch_cache import BatchCache, RaggedKVCache
 from ..decode_batch import DecodeBatch
+from ..row import Row
 from ..sampling import RowSampler
 from ..step_plan import DecodePlan, DecodeResult
 from .acceptance import accept_rows
@@ -127,6 +128,10 @@ class MTPDecode:
         """This step's draft count and the rows that draft (the draft policy's decision)."""
         rows = _states(batch)
         return self.policy.plan(self.policy.draft_count(len(rows)), rows, [r.sampler for r in batch.rows])
+
+    def can_draft(self, row: Row) -> bool:
+        """Whether ``row`` can draft this step (it has a verified pair and is not at its last token)."""
+        return row.spec is not None and self.policy.can_draft(row.spec, row.sampler)
 
     # -- after the step ------------------------------------------------------------------------
 
