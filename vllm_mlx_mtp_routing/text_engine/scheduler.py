@@ -379,10 +379,10 @@ class BatchScheduler:
             if settled is not None:
                 self._observe(DecodePlan(settled[0]), settled[1])
                 outputs = self._emit(*settled)
-                if not self.running:
+                rows = list(self.running)
+                if not rows:
                     return outputs
                 plan = self._still_running(plan)
-            rows = list(plan.rows)
             result = self.runner.decode(plan)
             self._observe(plan, result)
         except Exception as e:  # the batch's caches may be half-updated: every row is affected
@@ -392,8 +392,8 @@ class BatchScheduler:
         return outputs + self._emit(rows, result)
 
     def _still_running(self, plan: DecodePlan) -> DecodePlan:
-        """``plan`` for the rows still running after the launched step was read: rows that finished are gone, and a row
-        that can no longer draft (now at its last token) does not."""
+        """``plan`` for the rows still running after the launched step was read (the batch's order): rows that finished
+        are gone, and a row that can no longer draft (now at its last token) does not."""
         rows = list(self.running)
         if self.spec is None or not plan.draft_tokens:
             return DecodePlan(rows)
