@@ -520,3 +520,17 @@ def test_the_verify_layer_is_mlx_lms_layer(tiny, recurrence):
         ref = lin(x, cache=theirs)
         assert mx.array_equal(out, ref) and len(states) == 2
         assert all(mx.array_equal(a, b) for a, b in zip(ours.cache, theirs.cache))
+
+
+def test_a_row_with_a_penalty_joins_while_a_plain_step_runs_ahead(tiny):
+    """Plain steps under MTP run one ahead; a row whose logits processing reads its tokens (a repetition penalty) joins
+    while one is in flight: that step is read and the batch goes on serially, every row as without MTP."""
+    bundle, tok = tiny
+    prompts = _prompts([12, 20, 7], seed=9)
+    opts = [SamplingOptions(max_tokens=24), SamplingOptions(max_tokens=24), SamplingOptions(max_tokens=16, repetition_penalty=1.3)]
+    jobs = [(a, p, o) for a, p, o in zip([0, 0, 6], prompts, opts)]
+    ref, _ = run(bundle, tok, jobs)
+    decode = MTPDecode(bundle.mtp, k=1, adaptive=False, max_batch_size=0)  # every step plain
+    finals, _ = run(bundle, tok, jobs, decode)
+    assert {i: f.finish_reason for i, f in finals.items()} == {i: f.finish_reason for i, f in ref.items()}
+    assert [finals[i].token_ids for i in range(3)] == [ref[i].token_ids for i in range(3)]

@@ -395,11 +395,11 @@ class BatchScheduler:
         """``plan`` for the rows still running after the launched step was read (the batch's order): rows that finished
         are gone, and a row that can no longer draft (now at its last token) does not."""
         rows = list(self.running)
-        if self.spec is None or not plan.draft_tokens:
+        if self.spec is None:
             return DecodePlan(rows)
         was = {id(r): d for r, d in zip(plan.rows, plan.drafting)}
         drafting = [was.get(id(r), False) and self.spec.can_draft(r) for r in rows]
-        return DecodePlan(rows, plan.draft_tokens, drafting) if any(drafting) else DecodePlan(rows, 0, drafting)
+        return DecodePlan(rows, plan.draft_tokens if any(drafting) else 0, drafting)
 
     def _emit(self, rows: list[Row], result: DecodeResult) -> list[TextOutput]:
         """The rows' tokens of one decode step: their outputs; rows that finished leave the batch."""
