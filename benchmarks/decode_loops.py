@@ -389,48 +389,60 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
 
     prompts = prompts_for(loaded, B, a.prompt_tokens, seed=B)
 
-    def run(mtp: bool, traced: bool = False) -> dict:
+    def run(mtp: bool, traced: bool = False, launch_layers: int = 0) -> dict:
         decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
         loop = EngineLoop(loaded, prompts, decode, max_tokens=a.mtp_tokens)
+        loop.sched.runner.launch_layers = launch_layers
         drain()
         busy.quiesce()
         before, steps = loop.tokens, 0
         if traced:
             busy.start()
-        t, c = time.perf_counter(), time.process_time()
+        t, c, th = time.perf_counter(), time.process_time(), time.thread_time()
         while loop.sched.has_work():
             loop.step()
             steps += 1
-        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        wall, cpu, thread = time.perf_counter() - t, time.process_time() - c, time.thread_time() - th
         got = busy.stop() if traced else None
+        # wall - the main thread's CPU: the step's time the main thread waited (for the device, mostly)
         out = {"tok_s": (loop.tokens - before) / wall, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
-               "stats": decode.stats() if decode else {}}
+               "thread_cpu_ms": 1e3 * thread / steps, "stats": decode.stats() if decode else {}}
         if got is not None:
             out["device_busy_ms"], out["kernels_per_step"] = 1e3 * got[0] / steps, got[1] / steps
         return out
 
-    ratios: list[float] = []
-    runs: dict[str, list[dict]] = {"plain": [], "mtp": []}
+    # The sides of a round: plain, MTP, and with --mtp-launch-layers MTP whose verify starts in pieces of that many layers.
+    sides = {"plain": (False, 0), "mtp": (True, 0)}
+    if a.mtp_launch_layers:
+        sides["mtp_pieces"] = (True, a.mtp_launch_layers)
+    ratios: dict[str, list[float]] = {name: [] for name in sides if name != "plain"}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
     for r in range(a.mtp_rounds + 1):  # round 0 warms up
-        order = (False, True) if r % 2 else (True, False)
+        order = list(sides) if r % 2 else list(sides)[::-1]
         got = {}
-        for mtp in order:
+        for name in order:
             gc.collect()
             mx.clear_cache()
-            got[mtp] = run(mtp)
+            got[name] = run(sides[name][0], launch_layers=sides[name][1])
         if r:
-            ratios.append(got[True]["tok_s"] / got[False]["tok_s"])
-            runs["plain"].append(got[False])
-            runs["mtp"].append(got[True])
-    row: dict[str, Any] = {"batch": B, "speedup": round(statistics.median(ratios), 3), "speedup_rounds": [round(x, 3) for x in ratios]}
+            for name in sides:
+                runs[name].append(got[name])
+                if name != "plain":
+                    ratios[name].append(got[name]["tok_s"] / got["plain"]["tok_s"])
+    row: dict[str, Any] = {"batch": B, "speedup": round(statistics.median(ratios["mtp"]), 3),
+                           "speedup_rounds": [round(x, 3) for x in ratios["mtp"]]}
+    if "mtp_pieces" in ratios:
+        row["launch_layers"] = a.mtp_launch_layers
+        row["speedup_pieces"] = round(statistics.median(ratios["mtp_pieces"]), 3)
+        row["speedup_pieces_rounds"] = [round(x, 3) for x in ratios["mtp_pieces"]]
     for name, rs in runs.items():
         row[f"{name}_tok_s"] = [round(x["tok_s"], 2) for x in rs]
-        for key in ("step_ms", "cpu_ms"):
+        for key in ("step_ms", "cpu_ms", "thread_cpu_ms"):
             row[f"{name}_{key}"] = round(statistics.median(x[key] for x in rs), 3)
     row["acceptance"] = round(runs["mtp"][-1]["stats"].get("acceptance_rate", 0.0), 3)
     if busy.available():  # one more run each way, traced: the device's share of a step
-        for name, mtp in (("plain", False), ("mtp", True)):
-            traced = run(mtp, traced=True)
+        for name, (mtp, pieces) in sides.items():
+            traced = run(mtp, traced=True, launch_layers=pieces)
             if "device_busy_ms" in traced:
                 row[f"{name}_device_busy_ms"] = round(traced["device_busy_ms"], 3)
                 row[f"{name}_kernels_per_step"] = round(traced["kernels_per_step"], 1)
@@ -483,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acceptance", type=float, default=0.8, help="forced acceptance of the MTP runs")
     ap.add_argument("--mtp-tokens", type=int, default=48, help="tokens per row of an MTP / plain run")
     ap.add_argument("--mtp-rounds", type=int, default=3)
+    ap.add_argument("--mtp-launch-layers", type=int, default=0,
+                    help="also MTP with its verify started every N layers while the rest is built (0: not measured)")
     ap.add_argument("--dispatch", default="measured,mlx-lm",
                     help="MoE shapes: the expert dispatch plans the MTP runs go under (measured: the plan measured at build; "
                          "mlx-lm: mlx-lm's rule, sort from 64 pairs)")

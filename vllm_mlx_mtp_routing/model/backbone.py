@@ -278,6 +278,7 @@ def backbone_forward(
     logits: bool = True,
     capture: bool = False,
     input_embeddings: mx.array | None = None,
+    launch_every: int = 0,
 ) -> tuple[mx.array | None, mx.array, list[Captured]]:
     """The decoder stack of mlx-lm's qwen3_5 text model -> (logits or None, the hidden state the
     MTP head reads (post-norm, or pre-norm), captured gated-delta states when ``capture``)."""
@@ -290,7 +291,9 @@ def backbone_forward(
     if capture and ssm_mask is not None:
         raise ValueError("capturing gated-delta states needs unmasked (unpadded) rows")
     captured: list[Captured] = []
-    for layer, c in zip(inner.layers, cache):
+    for n, (layer, c) in enumerate(zip(inner.layers, cache)):
+        if launch_every and n and n % launch_every == 0:
+            mx.async_eval(h)  # the layers so far run while the rest of the graph is built
         if not layer.is_linear:
             h = layer(h, mask=fa_mask, cache=c)
         elif not capture:

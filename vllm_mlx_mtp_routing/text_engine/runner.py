@@ -145,6 +145,9 @@ class ModelRunner:
     # An MTP step's drafts and verify start on the device as soon as each graph is built (False: at the acceptance's
     # read, as before; benchmarks compare the two).
     launch_early = True
+    # With launch_early, the verify's layers are also started every ``launch_layers`` layers while the rest of its graph
+    # is built (0: all at once); benchmarks compare the two.
+    launch_layers = 0
 
     def __init__(self, model: nn.Module, spec: MTPDecode | None = None, vision: VisionParts | None = None) -> None:
         self.model = model
@@ -362,7 +365,7 @@ class ModelRunner:
             mx.async_eval(drafts)  # the head drafts on the device while the verify's graph is built
         logits, hidden, captured = verify.forward(
             self.model, verify.feed(x, drafts, drafting), self.cache, hidden_state_mode=spec.hidden_state_mode,
-            capture=k > 0,
+            capture=k > 0, launch_every=self.launch_layers if self.launch_early else 0,
         )
         if self.launch_early:
             mx.async_eval(logits)  # the verify runs while the acceptance's graph is built

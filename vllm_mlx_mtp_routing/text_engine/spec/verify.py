@@ -23,11 +23,13 @@ def feed(inputs: mx.array, drafts: mx.array | None, drafting: list[bool]) -> mx.
 
 
 def forward(
-    model: nn.Module, tokens: mx.array, cache: BatchCache, *, hidden_state_mode: str, capture: bool
+    model: nn.Module, tokens: mx.array, cache: BatchCache, *, hidden_state_mode: str, capture: bool,
+    launch_every: int = 0,
 ) -> tuple[mx.array, mx.array, list[Captured]]:
-    """(logits [B, T, V], the hidden states the head reads, the captured gated-delta states)."""
+    """(logits [B, T, V], the hidden states the head reads, the captured gated-delta states); ``launch_every``: start
+    the layers on the device every that many layers while the rest is built (0: none)."""
     logits, hidden, captured = backbone_forward(model, tokens, cache.layers, hidden_state_mode=hidden_state_mode,
-                                                capture=capture)
+                                                capture=capture, launch_every=launch_every)
     assert logits is not None
     return logits, hidden, captured
 
