@@ -413,8 +413,8 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
 
     # The sides of a round: plain, MTP, and with --mtp-launch-layers MTP whose verify starts in pieces of that many layers.
     sides = {"plain": (False, 0), "mtp": (True, 0)}
-    if a.mtp_launch_layers:
-        sides["mtp_pieces"] = (True, a.mtp_launch_layers)
+    for n in a.mtp_launch_layers:
+        sides[f"mtp_pieces{n}"] = (True, n)
     ratios: dict[str, list[float]] = {name: [] for name in sides if name != "plain"}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for r in range(a.mtp_rounds + 1):  # round 0 warms up
@@ -431,10 +431,9 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
                     ratios[name].append(got[name]["tok_s"] / got["plain"]["tok_s"])
     row: dict[str, Any] = {"batch": B, "speedup": round(statistics.median(ratios["mtp"]), 3),
                            "speedup_rounds": [round(x, 3) for x in ratios["mtp"]]}
-    if "mtp_pieces" in ratios:
-        row["launch_layers"] = a.mtp_launch_layers
-        row["speedup_pieces"] = round(statistics.median(ratios["mtp_pieces"]), 3)
-        row["speedup_pieces_rounds"] = [round(x, 3) for x in ratios["mtp_pieces"]]
+    for n in a.mtp_launch_layers:
+        row[f"speedup_pieces{n}"] = round(statistics.median(ratios[f"mtp_pieces{n}"]), 3)
+        row[f"speedup_pieces{n}_rounds"] = [round(x, 3) for x in ratios[f"mtp_pieces{n}"]]
     for name, rs in runs.items():
         row[f"{name}_tok_s"] = [round(x["tok_s"], 2) for x in rs]
         for key in ("step_ms", "cpu_ms", "thread_cpu_ms"):
@@ -495,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acceptance", type=float, default=0.8, help="forced acceptance of the MTP runs")
     ap.add_argument("--mtp-tokens", type=int, default=48, help="tokens per row of an MTP / plain run")
     ap.add_argument("--mtp-rounds", type=int, default=3)
-    ap.add_argument("--mtp-launch-layers", type=int, default=0,
-                    help="also MTP with its verify started every N layers while the rest is built (0: not measured)")
+    ap.add_argument("--mtp-launch-layers", default="", type=lambda v: [int(x) for x in v.split(",") if x],
+                    help="also MTP with its verify started every N layers while the rest is built, per N of this comma list")
     ap.add_argument("--dispatch", default="measured,mlx-lm",
                     help="MoE shapes: the expert dispatch plans the MTP runs go under (measured: the plan measured at build; "
                          "mlx-lm: mlx-lm's rule, sort from 64 pairs)")
