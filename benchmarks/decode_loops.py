@@ -389,10 +389,11 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
 
     prompts = prompts_for(loaded, B, a.prompt_tokens, seed=B)
 
-    def run(mtp: bool, traced: bool = False, launch_layers: int = 0) -> dict:
+    def run(mtp: bool, traced: bool = False, launch_layers: int | None = None) -> dict:
         decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
         loop = EngineLoop(loaded, prompts, decode, max_tokens=a.mtp_tokens)
-        loop.sched.runner.launch_layers = launch_layers
+        if launch_layers is not None:  # else the engine's own
+            loop.sched.runner.launch_layers = launch_layers
         drain()
         busy.quiesce()
         before, steps = loop.tokens, 0
@@ -411,10 +412,12 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
             out["device_busy_ms"], out["kernels_per_step"] = 1e3 * got[0] / steps, got[1] / steps
         return out
 
-    # The sides of a round: plain, MTP, and with --mtp-launch-layers MTP whose verify starts in pieces of that many layers.
-    sides = {"plain": (False, 0), "mtp": (True, 0)}
+    # The sides of a round: plain, MTP as the engine runs it, and with --mtp-launch-layers MTP whose verify starts in
+    # pieces of that many layers (0: all at once).
+    sides: dict[str, tuple[bool, int | None]] = {"plain": (False, None), "mtp": (True, None)}
     for n in a.mtp_launch_layers:
         sides[f"mtp_pieces{n}"] = (True, n)
+    t_rounds = time.perf_counter()
     ratios: dict[str, list[float]] = {name: [] for name in sides if name != "plain"}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for r in range(a.mtp_rounds + 1):  # round 0 warms up
@@ -438,12 +441,15 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
         for key in ("step_ms", "cpu_ms", "thread_cpu_ms"):
             row[f"{name}_{key}"] = round(statistics.median(x[key] for x in rs), 3)
     row["acceptance"] = round(runs["mtp"][-1]["stats"].get("acceptance_rate", 0.0), 3)
+    row["rounds_s"] = round(time.perf_counter() - t_rounds, 1)
+    t_traced = time.perf_counter()
     if busy.available():  # one more run each way, traced: the device's share of a step
         for name, (mtp, pieces) in sides.items():
             traced = run(mtp, traced=True, launch_layers=pieces)
             if "device_busy_ms" in traced:
                 row[f"{name}_device_busy_ms"] = round(traced["device_busy_ms"], 3)
                 row[f"{name}_kernels_per_step"] = round(traced["kernels_per_step"], 1)
+        row["traced_s"] = round(time.perf_counter() - t_traced, 1)
     return row
 
 
@@ -494,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-tokens", type=int, default=48, help="tokens per row of an MTP / plain run")
     ap.add_argument("--mtp-rounds", type=int, default=3)
     ap.add_argument("--mtp-launch-layers", default="", type=lambda v: [int(x) for x in v.split(",") if x],
-                    help="also MTP with its verify started every N layers while the rest is built, per N of this comma list")
+                    help="also MTP with its verify started every N layers while the rest is built (0: at once), per N "
+                    "of this comma list")
     ap.add_argument("--dispatch", default="measured,mlx-lm",
                     help="MoE shapes: the expert dispatch plans the MTP runs go under (measured: the plan measured at build; "
                          "mlx-lm: mlx-lm's rule, sort from 64 pairs)")

@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from ..model import layered_forward
 from ..model.backbone import backbone_forward
+from ..model.kernels.device import kind
 from ..model.media_forward import VisionParts
 from .batch_cache import BatchCache
 from .decode_batch import DecodeBatch
@@ -141,13 +142,14 @@ class _Launched:
         return _Launched(rows, self.sampled[idx], self.logits[idx], samplers, self.read, hidden)
 
 
+# Where the verify started in pieces was measured to pay (docs/benchmarks.md, "MTP in the engine"); Metal is unmeasured.
+VERIFY_LAUNCH_LAYERS = {"cuda": 2, "cpu": 2}
+
+
 class ModelRunner:
     # An MTP step's drafts and verify start on the device as soon as each graph is built (False: at the acceptance's
     # read, as before; benchmarks compare the two).
     launch_early = True
-    # With launch_early, the verify's layers are also started every ``launch_layers`` layers while the rest of its graph
-    # is built (0: all at once); benchmarks compare the two.
-    launch_layers = 0
 
     def __init__(self, model: nn.Module, spec: MTPDecode | None = None, vision: VisionParts | None = None) -> None:
         self.model = model
@@ -155,6 +157,9 @@ class ModelRunner:
         self.vision = vision  # media rows' vision tower and positions (None: text rows only)
         self.batch = DecodeBatch(model, head_layers=spec.head_layers if spec is not None else 0)
         self._launched: _Launched | None = None  # the plain step decode_ahead launched last
+        # With launch_early, the verify's layers also start every this many layers while the rest of its graph is built
+        # (0: all at once), so the device trails the launches and less of its time is waited for at the acceptance.
+        self.launch_layers = VERIFY_LAUNCH_LAYERS.get(kind(), 0)
 
     @property
     def cache(self) -> BatchCache:
