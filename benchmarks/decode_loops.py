@@ -384,39 +384,43 @@ def dispatch_plan(loaded: Loaded) -> Any:
 def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy) -> dict:
     """MTP on against plain at batch ``B``: tokens/s of alternated rounds, and what a step of each costs (wall, process
     CPU and, under CUPTI, the device's busy time per step; medians over the rounds), so a step that costs more than its
-    tokens pay for shows whether the device or the CPU grew."""
+    tokens pay for shows whether the device or the CPU grew. Each side keeps its B rows decoding, none finishing, from
+    round to round (a row prefilling beside decoding ones, or a batch that shrinks, would be another measurement)."""
     from support.forced_acceptance import ForcedAcceptanceDecode
 
     prompts = prompts_for(loaded, B, a.prompt_tokens, seed=B)
-
-    def run(mtp: bool, traced: bool = False, launch_layers: int | None = None) -> dict:
-        decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
-        loop = EngineLoop(loaded, prompts, decode, max_tokens=a.mtp_tokens)
-        if launch_layers is not None:  # else the engine's own
-            loop.sched.runner.launch_layers = launch_layers
-        drain()
-        busy.quiesce()
-        before, steps = loop.tokens, 0
-        if traced:
-            busy.start()
-        t, c, th = time.perf_counter(), time.process_time(), time.thread_time()
-        while loop.sched.has_work():
-            loop.step()
-            steps += 1
-        wall, cpu, thread = time.perf_counter() - t, time.process_time() - c, time.thread_time() - th
-        got = busy.stop() if traced else None
-        # wall - the main thread's CPU: the step's time the main thread waited (for the device, mostly)
-        out = {"tok_s": (loop.tokens - before) / wall, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
-               "thread_cpu_ms": 1e3 * thread / steps, "stats": decode.stats() if decode else {}}
-        if got is not None:
-            out["device_busy_ms"], out["kernels_per_step"] = 1e3 * got[0] / steps, got[1] / steps
-        return out
-
     # The sides of a round: plain, MTP as the engine runs it, and with --mtp-launch-layers MTP whose verify starts in
     # pieces of that many layers (0: all at once).
     sides: dict[str, tuple[bool, int | None]] = {"plain": (False, None), "mtp": (True, None)}
     for n in a.mtp_launch_layers:
         sides[f"mtp_pieces{n}"] = (True, n)
+    loops: dict[str, EngineLoop] = {}
+    for name, (mtp, launch_layers) in sides.items():
+        decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
+        loops[name] = loop = EngineLoop(loaded, prompts, decode)
+        if launch_layers is not None:  # else the engine's own
+            loop.sched.runner.launch_layers = launch_layers
+
+    def run(name: str, traced: bool = False) -> dict:
+        loop = loops[name]
+        drain()
+        busy.quiesce()
+        before = loop.tokens
+        if traced:
+            busy.start()
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(a.mtp_steps):
+            loop.step()
+        drain()
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        got = busy.stop() if traced else None
+        decode = loop.sched.spec
+        out = {"tok_s": (loop.tokens - before) / wall, "step_ms": 1e3 * wall / a.mtp_steps,
+               "cpu_ms": 1e3 * cpu / a.mtp_steps, "stats": decode.stats() if decode is not None else {}}
+        if got is not None:
+            out["device_busy_ms"], out["kernels_per_step"] = 1e3 * got[0] / a.mtp_steps, got[1] / a.mtp_steps
+        return out
+
     t_rounds = time.perf_counter()
     ratios: dict[str, list[float]] = {name: [] for name in sides if name != "plain"}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
@@ -424,8 +428,8 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
         order = list(sides) if r % 2 else list(sides)[::-1]
         got = {}
         for name in order:
-            gc.collect()  # the allocator keeps its cache: a run that starts by allocating afresh times the allocator
-            got[name] = run(sides[name][0], launch_layers=sides[name][1])
+            gc.collect()
+            got[name] = run(name)
         if r:
             for name in sides:
                 runs[name].append(got[name])
@@ -438,14 +442,14 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
         row[f"speedup_pieces{n}_rounds"] = [round(x, 3) for x in ratios[f"mtp_pieces{n}"]]
     for name, rs in runs.items():
         row[f"{name}_tok_s"] = [round(x["tok_s"], 2) for x in rs]
-        for key in ("step_ms", "cpu_ms", "thread_cpu_ms"):
+        for key in ("step_ms", "cpu_ms"):
             row[f"{name}_{key}"] = round(statistics.median(x[key] for x in rs), 3)
     row["acceptance"] = round(runs["mtp"][-1]["stats"].get("acceptance_rate", 0.0), 3)
     row["rounds_s"] = round(time.perf_counter() - t_rounds, 1)
     t_traced = time.perf_counter()
     if busy.available():  # one more run each way, traced: the device's share of a step
-        for name, (mtp, pieces) in sides.items():
-            traced = run(mtp, traced=True, launch_layers=pieces)
+        for name in sides:
+            traced = run(name, traced=True)
             if "device_busy_ms" in traced:
                 row[f"{name}_device_busy_ms"] = round(traced["device_busy_ms"], 3)
                 row[f"{name}_kernels_per_step"] = round(traced["kernels_per_step"], 1)
@@ -497,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--mtp-batches", default="", help="also MTP on vs plain at these batch sizes (e.g. 1,2,4,8)")
     ap.add_argument("--acceptance", type=float, default=0.8, help="forced acceptance of the MTP runs")
-    ap.add_argument("--mtp-tokens", type=int, default=48, help="tokens per row of an MTP / plain run")
+    ap.add_argument("--mtp-steps", type=int, default=32, help="steps of each MTP / plain run")
     ap.add_argument("--mtp-rounds", type=int, default=3)
     ap.add_argument("--mtp-launch-layers", default="", type=lambda v: [int(x) for x in v.split(",") if x],
                     help="also MTP with its verify started every N layers while the rest is built (0: at once), per N "
