@@ -125,7 +125,7 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
 
     out = tmp_path / "loops.json"
     assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                    "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-tokens", "4", "--mtp-rounds", "1",
+                    "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-steps", "2", "--mtp-rounds", "1", "--mtp-launch-layers", "0",
                     "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and res["versions"]["mlx_lm"] and res["device_busy"].startswith("n/a: MLX runs on the CPU")
@@ -143,7 +143,8 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
     for mtp in shape["mtp"]:
         assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1
         # what a step of each side costs (no device busy time on the CPU)
-        assert all(mtp[f"{side}_{key}"] > 0 for side in ("plain", "mtp") for key in ("step_ms", "cpu_ms"))
+        assert all(mtp[f"{side}_{key}"] > 0 for side in ("plain", "mtp", "mtp_pieces0") for key in ("step_ms", "cpu_ms"))
+        assert mtp["speedup_pieces0"] > 0  # MTP with its verify launched at once, beside the engine's own
         assert "plain_device_busy_ms" not in mtp
 
 

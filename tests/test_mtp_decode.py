@@ -139,6 +139,41 @@ def test_greedy_equals_plain_with_per_row_acceptance(tiny, k):
         assert 0 < s["acceptance_rate"] < 1 and s["steps_with_mtp"] > 0
 
 
+def test_a_verify_started_in_pieces_is_exact(tiny, monkeypatch):
+    """The verify's layers started on the device every n layers while the rest is built (``launch_layers``) change
+    when work is launched, never what it computes: rows accepting and rejecting at different steps, joining
+    mid-decode, give plain decoding's tokens for every n; and the pieces are launched."""
+    from vllm_mlx_mtp_routing.text_engine import runner
+
+    bundle, tok = tiny
+    k = 2
+    prompts = _prompts(LENGTHS)
+    ref = _plain(bundle, tok, prompts, MAX_TOKENS)
+    truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [m + k + 1 for m in MAX_TOKENS]))]
+    table = np.random.default_rng(7).integers(0, k + 1, size=(4, 64))
+    launches = {}
+    real = mx.async_eval
+    for n in (0, 1, 3):
+        monkeypatch.setattr(runner, "VERIFY_LAUNCH_LAYERS", {"cpu": n})
+        count = [0]
+
+        def counting(*arrays, _count=count):
+            _count[0] += 1
+            return real(*arrays)
+
+        monkeypatch.setattr(mx, "async_eval", counting)
+        oracle = Oracle(prompts, truths, k, bundle.model.args.vocab_size, lambda i, c: int(table[i, c]))
+        decode = Recording(bundle.mtp, k=k, adaptive=False, oracle=oracle)
+        jobs = [(a, p, SamplingOptions(max_tokens=m)) for a, p, m in zip([0, 2, 3, 5], prompts, MAX_TOKENS)]
+        finals, sched = run(bundle, tok, jobs, decode)
+        monkeypatch.setattr(mx, "async_eval", real)
+        assert sched.runner.launch_layers == n
+        assert [finals[i].token_ids for i in range(4)] == ref, n
+        launches[n] = count[0]
+    assert len(bundle.model.model.layers) == 4  # a verify launches 3 more times at n = 1, once more at n = 3
+    assert launches[1] > launches[3] > launches[0]
+
+
 def test_alone_equals_plain_all_accepted(tiny):
     bundle, tok = tiny
     prompt = _prompts([9], seed=3)[0]
