@@ -185,11 +185,12 @@ def main() -> int:
                     help="two-turn conversations resending their image per server (each its own image), alternated")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     ap.add_argument("--server-cmd", default=None, help="replaces the `vllm-mlx` console script (e.g. the GPU launcher)")
+    ap.add_argument("--plugin-args", default="", help="more flags for the plugin's server (e.g. \"--prefill-stall-ratio 1\")")
     a = ap.parse_args()
     log_dir = REPO / "benchmarks" / "results" / "tmp"
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ("--continuous-batching", "--mllm", "--max-num-seqs", str(a.concurrency))
-    plugin_flags = ("--plugins", "mtp-routing", *common, *(("--enable-mtp",) if a.mtp else ()))
+    plugin_flags = ("--plugins", "mtp-routing", *common, *(("--enable-mtp",) if a.mtp else ()), *shlex.split(a.plugin_args))
     with contextlib.ExitStack() as stack:
         cmd = shlex.split(a.server_cmd) if a.server_cmd else None
         servers = {} if a.no_host else {

@@ -142,7 +142,7 @@ class _Launched:
         return _Launched(rows, self.sampled[idx], self.logits[idx], samplers, self.read, hidden)
 
 
-# Where the verify started in pieces was measured to pay (docs/benchmarks.md, "MTP in the engine"); Metal is unmeasured.
+# Measured on CUDA (ahead at batch 8) and the CPU (neutral): docs/benchmarks.md, "Decode loops"; Metal is unmeasured.
 VERIFY_LAUNCH_LAYERS = {"cuda": 2, "cpu": 2}
 
 
