@@ -319,6 +319,11 @@ def prompts_for(loaded: Loaded, B: int, n: int, seed: int = 0) -> list[list[int]
     return [[rng.choice(loaded.usable_ids) for _ in range(n)] for _ in range(B)]
 
 
+def per_step_names(busy: DeviceBusy, steps: int, top: int = 40) -> dict[str, float]:
+    """The last traced window's most launched kernels, per step: which kernels a step's launches go to."""
+    return {name: round(n / steps, 2) for name, n in busy.kernel_names.most_common(top)}
+
+
 def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw: float) -> dict:
     names = [n for n in a.loops if n != "generate_step" or B == 1]
     prompts = prompts_for(loaded, B, a.prompt_tokens)
@@ -353,6 +358,7 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
             else:
                 row[name]["device_busy_ms"] = round(1e3 * got[0] / a.steps, 3)
                 row[name]["kernels_per_step"] = round(got[1] / a.steps, 1)
+                row[name]["kernels_per_step_by_name"] = per_step_names(busy, a.steps)
     distinct: list[int] = []
     if loaded.config.get("num_experts"):
         with counting_experts(loaded.model) as distinct:
@@ -453,6 +459,7 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
             if "device_busy_ms" in traced:
                 row[f"{name}_device_busy_ms"] = round(traced["device_busy_ms"], 3)
                 row[f"{name}_kernels_per_step"] = round(traced["kernels_per_step"], 1)
+                row[f"{name}_kernels_per_step_by_name"] = per_step_names(busy, a.mtp_steps)
         row["traced_s"] = round(time.perf_counter() - t_traced, 1)
     return row
 

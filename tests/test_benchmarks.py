@@ -150,7 +150,7 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
 
 def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """lib/device_busy.py over a stand-in for cupti-python: records outside a window are dropped, overlapping work
-    counts once, work crossing the window's edges counts inside it only, and kernels are counted."""
+    counts once, work crossing the window's edges counts inside it only, and kernels are counted, by name too."""
     import types
 
     from lib import device_busy
@@ -177,19 +177,20 @@ def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.Mon
     busy = device_busy.DeviceBusy()
     assert busy.available() and busy.why is None
 
-    def run(kind: int, start: int, end: int) -> None:
-        pending.append(types.SimpleNamespace(kind=kind, start=start, end=end))
+    def run(kind: int, start: int, end: int, name: str = "gemv") -> None:
+        pending.append(types.SimpleNamespace(kind=kind, start=start, end=end, name=name))
 
     run(Kind.CONCURRENT_KERNEL, 0, 50)  # before the window: dropped by the flush in start()
     clock[0] = 100
     busy.start()
     run(Kind.CONCURRENT_KERNEL, 90, 120)  # crosses the start: 20 inside
-    run(Kind.CONCURRENT_KERNEL, 130, 170)
+    run(Kind.CONCURRENT_KERNEL, 130, 170, "rms_norm")
     run(Kind.MEMCPY, 150, 180)  # overlaps the kernel: +10
     run(Kind.CONCURRENT_KERNEL, 190, 260)  # crosses the end: 10 inside
     clock[0] = 200
     seconds, kernels = busy.stop()
     assert seconds == pytest.approx((20 + 40 + 10 + 10) / 1e9) and kernels == 3
+    assert busy.kernel_names == {"gemv": 2, "rms_norm": 1}  # by name, the window's kernels only (no memcpy)
     run(Kind.CONCURRENT_KERNEL, 210, 220)  # after the window: never counted
     busy.quiesce()
     assert busy.available()

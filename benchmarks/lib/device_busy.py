@@ -15,17 +15,20 @@ all run under it alike): construct it before any model work.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
 
 class DeviceBusy:
-    """``start()`` ... ``stop()`` -> (busy seconds, kernels) of the device in between; one instance per process."""
+    """``start()`` ... ``stop()`` -> (busy seconds, kernels) of the device in between, and ``kernel_names`` (how many
+    of each kernel ran in it: where a step's launches go); one instance per process."""
 
     def __init__(self, enable: bool = True) -> None:
         self.why: str | None = None
         self._cupti: Any = None
-        self._records: list[tuple[int, int, bool]] = []  # (start ns, end ns, is a kernel)
+        self._records: list[tuple[int, int, str | None]] = []  # (start ns, end ns, the kernel's name; None: not a kernel)
+        self.kernel_names: collections.Counter[str] = collections.Counter()  # of the last window's kernels
         self._lock = threading.Lock()
         self._t0 = 0
         self._collecting = False
@@ -65,7 +68,8 @@ class DeviceBusy:
         if not self._collecting:
             return
         kernel = self._cupti.ActivityKind.CONCURRENT_KERNEL
-        got = [(a.start, a.end, a.kind == kernel) for a in activities if hasattr(a, "start") and hasattr(a, "end")]
+        got = [(a.start, a.end, str(getattr(a, "name", None) or "?") if a.kind == kernel else None)
+               for a in activities if hasattr(a, "start") and hasattr(a, "end")]
         with self._lock:
             self._records.extend(got)
 
@@ -115,4 +119,5 @@ class DeviceBusy:
             if e > end:
                 busy += e - max(s, end)
                 end = e
-        return busy / 1e9, sum(1 for r in records if r[2])
+        self.kernel_names = collections.Counter(r[2] for r in records if r[2] is not None)
+        return busy / 1e9, sum(self.kernel_names.values())
