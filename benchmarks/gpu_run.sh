@@ -19,6 +19,7 @@
 #   cold         cold_ttft.py, a lone long prompt (10K, 27K tokens), host alone vs host + plugin, 2B shape
 #   chat_tune    the chat fine-tune of the trained model (training/chat_tune_tiny_qwen35.py), assembled and evaluated
 #   loops        decode_loops.py, the engine's step beside mlx-lm's loops at 2B / 9B / 35B-A3B, MoE MTP on vs plain
+#   mtp_phases   mtp_step_phases.py, where an MTP step's wall time goes, plain against MTP, phase by phase
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 job=${1:-}
