@@ -6,10 +6,8 @@
 # Staging and running: benchmarks/README.md ("GPU runs").
 #
 # Environment: GPU_PHASES_SHAPE (default 35b-a3b), GPU_PHASES_BATCHES (default 1,2,4,8), GPU_PHASES_LAYERS,
-# GPU_PHASES_BUDGET_S (wall seconds after setup, default 300), GPU_PHASES_ARGS (extra arguments), GPU_PHASES_PROFILE
-# (1: run it under py-spy's native sampler, staged as a wheel beside the others; its raw stacks go to
-# $OUT/mtp_step_phases.stacks), SITE, OUT (default benchmarks/results/gpu_mtp_phases). Files:
-# $OUT/mtp_step_phases_<shape>_gpu.json, the log.
+# GPU_PHASES_BUDGET_S (wall seconds after setup, default 300), GPU_PHASES_ARGS (extra arguments), SITE, OUT (default
+# benchmarks/results/gpu_mtp_phases). Files: $OUT/mtp_step_phases_<shape>_gpu.json, the log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -25,12 +23,7 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
 layers=0
 if [ "$SHAPE" = 35b-a3b ] && [ "${mem_mib:-0}" -lt 100000 ]; then layers=${GPU_PHASES_LAYERS:-28}; fi
-profile=""
-if [ "${GPU_PHASES_PROFILE:-0}" = 1 ]; then
-  [ -x "$SITE/bin/py-spy" ] || $PY -m pip install -q --no-index --no-deps --target "$SITE" .device-b/whl/py_spy-*.whl
-  profile="$SITE/bin/py-spy record --native --threads --idle -r 250 -f raw -o $OUT/mtp_step_phases.stacks --"
-fi
-timeout -k 10 "${GPU_PHASES_BUDGET_S:-300}" $profile $PY benchmarks/mtp_step_phases.py --shape "$SHAPE" --layers "$layers" \
+timeout -k 10 "${GPU_PHASES_BUDGET_S:-300}" $PY benchmarks/mtp_step_phases.py --shape "$SHAPE" --layers "$layers" \
     --batches "${GPU_PHASES_BATCHES:-1,2,4,8}" ${GPU_PHASES_ARGS:-} --out "$OUT/mtp_step_phases_${SHAPE}_gpu.json"
 }
 
