@@ -22,7 +22,8 @@ MTP_PLACEMENTS = ("subdir", "model-mtp", "main")
 # The mlx-lm and mlx-vlm GatedDeltaNet implementations differ in rounding (~1e-5 per layer in
 # fp32), so the text model's logits match the VLM's to this tolerance, not bit for bit.
 LOGIT_ATOL = 1e-3
-# Growth of active memory beyond the MTP head's own bytes (RoPE tables, allocator rounding).
+# Growth of active memory beyond the MTP head's own bytes, either way: RoPE tables and allocator rounding (fused
+# projections hold their parts' small arrays in one buffer, which can round to less).
 MEMORY_SLACK = 64 * 1024
 
 
@@ -88,11 +89,11 @@ def test_text_logits_match_vlm_language_model(built):
 def test_memory_growth_is_the_mtp_head(built):
     placement, path, _, bundle = built
     if placement == "none":
-        assert bundle.mtp_bytes == 0 and 0 <= bundle.extra_bytes <= MEMORY_SLACK
+        assert bundle.mtp_bytes == 0 and abs(bundle.extra_bytes) <= MEMORY_SLACK
         return
     stored = sum(v.nbytes for v in _file_mtp_tensors(path, placement).values())
     assert bundle.mtp_bytes == stored
-    assert bundle.mtp_bytes <= bundle.extra_bytes <= bundle.mtp_bytes + MEMORY_SLACK
+    assert abs(bundle.extra_bytes - bundle.mtp_bytes) <= MEMORY_SLACK, (bundle.extra_bytes, bundle.mtp_bytes)
 
 
 def test_one_info_line_and_no_warning(tiny_vlm_factory, caplog):

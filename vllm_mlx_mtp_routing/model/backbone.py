@@ -23,6 +23,7 @@ import mlx.nn as nn
 from .kernels.causal_conv import conv1d
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, plain_cache
 from .kernels.device import on_cuda, on_metal
+from .kernels.fused_projections import GATED_DELTA_INPUTS, project
 from .kernels.recurrence import gated_delta_fused
 from .mlx_lm_internals import (
     ArraysCache,
@@ -191,10 +192,8 @@ def _layer_core(
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) as a function of its inputs and state ->
     (output, the conv window input, the final recurrent state, with ``capture`` every state)."""
     B, S, _ = x.shape
-    qkv = lin.in_proj_qkv(x)
-    z = lin.in_proj_z(x).reshape(B, S, lin.num_v_heads, lin.head_v_dim)
-    b = lin.in_proj_b(x)
-    a = lin.in_proj_a(x)
+    qkv, z, b, a = project(lin, GATED_DELTA_INPUTS, x)
+    z = z.reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -255,8 +254,9 @@ def gated_delta_layer(
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):
-    """mlx-lm's gated-delta layer with the fused CUDA recurrence: the class the text model's
-    linear-attention layers take on a CUDA device (kernels/swaps.py)."""
+    """mlx-lm's gated-delta layer run as ``gated_delta_layer``: the fused CUDA recurrence on a CUDA
+    device, and its four input projections as one matmul where they were fused; the class the text
+    model's linear-attention layers take where either applies (kernels/swaps.py)."""
 
     def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         return gated_delta_layer(self, inputs, mask, cache)[0]

@@ -14,6 +14,8 @@
   ``Qwen3NextAttention``'s projections, norms and ``rope`` (SpecPrefill rotates kept tokens at their
   own positions; the grouped attention runs its ``__call__`` with the attention call split by row
   length, kernels/grouped_attention.py).
+- ``Qwen3NextMLP`` and ``activations.swiglu``: ``FusedMLP`` (kernels/fused_projections.py) mirrors the MLP's
+  ``__call__`` with its gate and up in one matmul.
 - ``mlx_lm.models.switch_layers``: ``SwitchGLU`` (the MoE switch whose ``__call__`` kernels/moe_dispatch.py mirrors
   with the sort chosen per call size) and its ``_gather_sort`` / ``_scatter_unsort``.
 """
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel, gated_delta_update
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, TextModel, TextModelArgs
-from mlx_lm.models.qwen3_next import Qwen3NextAttention as Attention
+from mlx_lm.models.qwen3_next import Qwen3NextAttention as Attention, Qwen3NextMLP as MLP
 from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "DecoderLayer",
     "GatedDeltaNet",
     "KVCache",
+    "MLP",
     "SwitchGLU",
     "TextModel",
     "TextModelArgs",
@@ -49,6 +53,7 @@ __all__ = [
     "gather_sort",
     "scatter_unsort",
     "ssm_cache_index",
+    "swiglu",
 ]
 
 BaseCache = _BaseCache

@@ -402,7 +402,7 @@ def build_text_model(
     head, loaded, reason = (None, None, "MTP not enabled")
     if enable_mtp:
         head, loaded, reason = _build_mtp_head(model, text_config, config, model_path, drafter, drafter_path)
-    swapped = swaps.apply(model, head)
+    swapped = swaps.apply(model, head, shares=lm)
     if swapped.moe_switches:
         moe_dispatch.measure(model, head)
     if swapped.fused_recurrence:

@@ -8,6 +8,10 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   device.
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
+- ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet`` and mlx-lm's ``MLP`` -> ``fused_projections.FusedMLP``: the
+  gated-delta layer's four input projections, and an MLP's gate and up, as one matmul each (fused_projections.py; the
+  parts' arrays become views of the fused ones, in the VLM's own language model too). CPU and CUDA; Metal keeps
+  separate projections until measured there.
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
   CPU and CUDA, where it was measured (``compiled_decode_devices``); Metal keeps mlx-lm's until measured there.
 - mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
@@ -26,6 +30,7 @@ from ..mlx_lm_internals import Attention, GatedDeltaNet
 from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
+from .fused_projections import use_fused_projections
 from .grouped_attention import GroupedAttention
 from .moe_dispatch import use_dispatched_switch
 from .retype import modules_of, retype
@@ -42,6 +47,12 @@ class Swapped:
     float32_experts: int = 0
     compiled_decode: int = 0
     moe_switches: int = 0
+    fused_projections: int = 0  # arrays now views of a fused projection's
+
+
+# Where projections of one input run as one matmul: where it was measured (CPU: bitwise the same, fewer ops; CUDA:
+# fewer launches of a launch-bound step).
+fused_projection_devices = {"cpu", "cuda"}
 
 
 # Where the gated-delta layers' one-token step runs compiled: where it was measured to take less CPU per step.
@@ -71,13 +82,16 @@ def use_grouped_attention(model: nn.Module) -> int:
     return retype(modules_of(model), Attention, GroupedAttention)
 
 
-def apply(model: nn.Module, head: nn.Module | None) -> Swapped:
-    """Every swap the text model (an mlx-lm qwen3_5 ``TextModel``) and its MTP head take on this device."""
+def apply(model: nn.Module, head: nn.Module | None, shares: nn.Module | None = None) -> Swapped:
+    """Every swap the text model (an mlx-lm qwen3_5 ``TextModel``) and its MTP head take on this device; ``shares``: a
+    module holding the text model's own arrays (the VLM's language model), given the fused projections' views too."""
     fused = use_fused_recurrence(model)
     grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
+    fused_arrays = use_fused_projections(model, GatedDeltaNet, FusedGatedDeltaNet, shares) \
+        if kind() in fused_projection_devices else 0
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
     compiled = use_compiled_decode(model) if kind() in compiled_decode_devices else 0
     switches = use_dispatched_switch(model) + (use_dispatched_switch(head) if head is not None else 0)
     return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
-                   compiled_decode=compiled, moe_switches=switches)
+                   compiled_decode=compiled, moe_switches=switches, fused_projections=fused_arrays)
