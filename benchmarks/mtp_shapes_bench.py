@@ -73,7 +73,13 @@ from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
     lm_head,
     rollback_rows,
 )
-from vllm_mlx_mtp_routing.model.kernels.swaps import use_fused_recurrence, use_skinny_matmul  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.fused_projections import use_fused_projections  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.swaps import (  # noqa: E402
+    fused_projection_devices,
+    use_fused_recurrence,
+    use_skinny_matmul,
+)
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
     GatedDeltaNet,
@@ -163,6 +169,8 @@ def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[
     use_fused_recurrence(model)  # as build_text_model does (CUDA only)
     use_skinny_matmul(model.model)  # likewise
     use_skinny_matmul(head)
+    if kind() in fused_projection_devices:  # likewise (CPU and CUDA)
+        use_fused_projections(model, GatedDeltaNet, FusedGatedDeltaNet)
     mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
                                  if isinstance(v, mx.array)])
     n_backbone = sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -94,6 +94,28 @@ def test_decode_variants_smoke(tmp_path: Path) -> None:
     assert res["commit"] and res["device"] and [r["option"] for r in res["rows"]] == list(DV.OPTIONS)
     for row in res["rows"]:
         assert "error" not in row and row["on_over_off_cpu"] > 0 and row["off_ms"] > 0 and row["on_ms"] > 0
+    # fused projections are exact: both sides decoded the same tokens
+    assert all(r["tokens_equal"] for r in res["rows"] if r["option"] == "fused_projections")
+
+
+def test_mtp_step_phases_smoke(tmp_path: Path) -> None:
+    """Where a step's time goes, at the tiny MoE shape on the CPU: each side's phases are timed and add up to no more
+    than its step; MTP's phases are the speculative ones, plain's the launch and read."""
+    import mtp_step_phases as MSP
+
+    out = tmp_path / "phases.json"
+    assert MSP.main(["--shape", "small-moe", "--batches", "2", "--steps", "2", "--rounds", "1", "--prompt-tokens", "8",
+                     "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["versions"]["mlx_lm"] and res["layers"] > 0
+    [row] = res["rows"]
+    assert row["batch"] == 2 and row["mtp_over_plain"] > 0 and row["mtp_pieces0_over_plain"] > 0
+    assert {"launch", "read_wait", "read"} <= set(row["plain"]) and row["plain"]["tokens_per_step"] == 2
+    for side in ("mtp", "mtp_pieces0"):
+        phases = row[side]
+        assert {"propose", "verify_build", "verify_wait", "accept", "rollback", "after_verify"} <= set(phases)
+        assert all(phases[k] >= 0 for k in phases if k != "other") and phases["other"] > -0.5  # rounding of the sums
+        assert 2 <= phases["tokens_per_step"] <= 4
 
 
 def test_mtp_shapes_bench_smoke(tmp_path: Path) -> None:

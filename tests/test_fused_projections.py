@@ -13,7 +13,15 @@ import pytest
 from mlx.utils import tree_flatten
 
 from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet
-from vllm_mlx_mtp_routing.model.kernels.fused_projections import _FUSED, FusedMLP, fuse, fuse_into, project
+from vllm_mlx_mtp_routing.model.kernels.fused_projections import (
+    _FUSED,
+    FusedMLP,
+    attach,
+    detach,
+    fuse,
+    fuse_into,
+    project,
+)
 from vllm_mlx_mtp_routing.model.text_model import assert_zero_copy, build_text_model
 
 H = 256
@@ -101,13 +109,14 @@ def test_the_text_model_fuses_and_computes_the_same(tiny_vlm_fp32, tmp_path):
     ids = mx.array([[11, 200, 37, 4000, 5, 981, 42, 7, 300]])
     fused_logits = model(ids)
     fused_matmuls = _graph_matmuls(model, ids, tmp_path)
-    made = {id(m): m.__dict__.pop(_FUSED) for m in [*gated, *mlps]}  # the separate projections, on the same views
+    made = detach(model)  # the separate projections, on the same views
+    assert len(made) == len(gated) + len(mlps)
     try:
         assert mx.array_equal(model(ids), fused_logits).item()
         assert _graph_matmuls(model, ids, tmp_path) - fused_matmuls == 3 * len(gated) + len(mlps)
     finally:
-        for m in [*gated, *mlps]:
-            object.__setattr__(m, _FUSED, made[id(m)])
+        attach(made)
+    assert all(_FUSED in m.__dict__ for m in [*gated, *mlps])
 
 
 def test_moe_shared_expert_fuses(moe_vlm_factory):

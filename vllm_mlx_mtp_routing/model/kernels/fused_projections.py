@@ -73,6 +73,22 @@ def fuse_into(module: nn.Module, parts: Sequence[str]) -> dict[int, mx.array]:
     return {id(old): m[k] for m, arrays in zip(layers, before) for k, old in arrays.items()}
 
 
+def detach(root: nn.Module) -> dict[int, tuple[nn.Module, Any]]:
+    """Take the fused projections off the modules under ``root``: they project part by part again, on the same views.
+    Returns what ``attach`` puts back (A/B benchmarks and tests run both ways on one model)."""
+    made = {}
+    for _, m in root.named_modules():
+        if _FUSED in m.__dict__:
+            made[id(m)] = (m, m.__dict__.pop(_FUSED))
+    return made
+
+
+def attach(made: dict[int, tuple[nn.Module, Any]]) -> None:
+    """Put back what ``detach`` took off."""
+    for m, fused in made.values():
+        object.__setattr__(m, _FUSED, fused)
+
+
 class FusedMLP(MLP):
     """mlx-lm's MLP (qwen3_next) whose gate and up run as one matmul where ``fuse_into`` made it."""
 
