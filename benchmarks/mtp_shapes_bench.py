@@ -76,6 +76,7 @@ from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.fused_projections import use_fused_projections  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.swaps import (  # noqa: E402
+    FUSIONS,
     fused_projection_devices,
     use_fused_recurrence,
     use_skinny_matmul,
@@ -170,7 +171,7 @@ def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[
     use_skinny_matmul(model.model)  # likewise
     use_skinny_matmul(head)
     if kind() in fused_projection_devices:  # likewise (CPU and CUDA)
-        use_fused_projections(model, GatedDeltaNet, FusedGatedDeltaNet)
+        use_fused_projections(model, FUSIONS)
     mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
                                  if isinstance(v, mx.array)])
     n_backbone = sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -20,6 +20,7 @@ from vllm_mlx_mtp_routing.model.kernels.fused_projections import (
     detach,
     fuse,
     fuse_into,
+    fused_of,
     project,
 )
 from vllm_mlx_mtp_routing.model.text_model import assert_zero_copy, build_text_model
@@ -119,12 +120,27 @@ def test_the_text_model_fuses_and_computes_the_same(tiny_vlm_fp32, tmp_path):
     assert all(_FUSED in m.__dict__ for m in [*gated, *mlps])
 
 
-def test_moe_shared_expert_fuses(moe_vlm_factory):
+def test_moe_shared_expert_and_switch_fuse(moe_vlm_factory):
+    """The MoE blocks' shared expert (gate and up) and their switch (gate and up experts stacked, one gather): the
+    same logits as part by part, the VLM still sharing every array."""
     from mlx_vlm import load
 
     path = moe_vlm_factory()
     vlm, _ = load(str(path))
     bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
-    shared = [layer.mlp.shared_expert for layer in bundle.model.model.layers]
-    assert shared and all(isinstance(m, FusedMLP) and _FUSED in m.__dict__ for m in shared)
-    assert assert_zero_copy(vlm, bundle.model) == bundle.shared_arrays
+    model = bundle.model
+    shared = [layer.mlp.shared_expert for layer in model.model.layers]
+    switches = [layer.mlp.switch_mlp for layer in model.model.layers]
+    assert shared and all(isinstance(m, FusedMLP) and fused_of(m) is not None for m in shared)
+    assert all(fused_of(m) is not None for m in switches)
+    stacked, (experts,) = fused_of(switches[0])
+    assert experts == switches[0].gate_proj.weight.shape[0] and stacked.weight.shape[0] == 2 * experts
+    assert assert_zero_copy(vlm, model) == bundle.shared_arrays
+
+    ids = mx.array([[11, 200, 37, 400, 5, 981, 42]])  # 7 tokens: the unsorted gather, where the stacked one runs
+    fused_logits = model(ids)
+    made = detach(model)
+    try:
+        assert mx.array_equal(model(ids), fused_logits).item()
+    finally:
+        attach(made)

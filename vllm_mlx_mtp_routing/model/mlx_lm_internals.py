@@ -17,7 +17,9 @@
 - ``Qwen3NextMLP`` and ``activations.swiglu``: ``FusedMLP`` (kernels/fused_projections.py) mirrors the MLP's
   ``__call__`` with its gate and up in one matmul.
 - ``mlx_lm.models.switch_layers``: ``SwitchGLU`` (the MoE switch whose ``__call__`` kernels/moe_dispatch.py mirrors
-  with the sort chosen per call size) and its ``_gather_sort`` / ``_scatter_unsort``.
+  with the sort chosen per call size) and its ``_gather_sort`` / ``_scatter_unsort``; ``SwitchLinear`` /
+  ``QuantizedSwitchLinear`` (experts on the leading axis of every array: kernels/fused_projections.py stacks the
+  switch's gate and up experts into one).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel, gated_delta_update
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, TextModel, TextModelArgs
 from mlx_lm.models.qwen3_next import Qwen3NextAttention as Attention, Qwen3NextMLP as MLP
-from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, _gather_sort, _scatter_unsort
 
 __all__ = [
     "ArraysCache",
@@ -40,7 +42,9 @@ __all__ = [
     "GatedDeltaNet",
     "KVCache",
     "MLP",
+    "QuantizedSwitchLinear",
     "SwitchGLU",
+    "SwitchLinear",
     "TextModel",
     "TextModelArgs",
     "attention_cache_index",

@@ -417,9 +417,6 @@ def build_text_model(
             "conversion avoids it (`python -m mlx_vlm.convert --hf-path ... --dtype float32`, or `-q`)",
             swapped.float32_experts, vlm_experts, _expert_dtype(model),
         )
-    if swapped.fused_projections:
-        logger.info("TextModel: projections of one input run as one matmul (%d arrays are views of the fused weights)",
-                    swapped.fused_projections)
     if swapped.skinny_matmul:
         logger.info("TextModel: %d linear layers run the few-row CUDA matmul at 2-8 rows", swapped.skinny_matmul)
     extra = mx.get_active_memory() - before

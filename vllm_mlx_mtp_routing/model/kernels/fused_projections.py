@@ -1,35 +1,40 @@
 """One matmul where a layer runs several on the same input: the gated-delta layer's four input projections (qkv, z,
-b, a) and an MLP's gate and up (the dense MLPs and the MoE blocks' shared expert).
+b, a), an MLP's gate and up (the dense MLPs and the MoE blocks' shared expert), and the MoE switch's gate and up
+experts (one gather over both).
 
 A decode step is launch-bound on a GPU (docs/benchmarks.md, "Decode loops"): at the 2B shape 78 of its ~650 kernels
 are these projections' separate matrix-vector products. The fused weight is the parts' weights (and scales, biases)
-concatenated by output row, made once at load; each part's module then holds its arrays as row slices of it, which
-MLX keeps as views of the one buffer, so memory is unchanged and every caller of the part modules (mlx-lm's and
-mlx-vlm's own calls) reads the same values. Each output is the same dot product as before: bitwise the separate
-projections' on the CPU (tests/test_fused_projections.py). The fused module is kept off the module tree (not a
-parameter: the model's parameter list, its fingerprint and the VLM's sharing check stay as they were).
+concatenated on their leading axis (a linear layer's output rows, a switch's experts), made once at load; each part's
+module then holds its arrays as slices of it, which MLX keeps as views of the one buffer, so memory is unchanged and
+every caller of the part modules (mlx-lm's and mlx-vlm's own calls) reads the same values. Each output is the same
+dot product as before: bitwise the separate projections' on the CPU (tests/test_fused_projections.py). The fused
+module is kept off the module tree (not a parameter: the model's parameter list, its fingerprint and the VLM's
+sharing check stay as they were).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..mlx_lm_internals import MLP, swiglu
+from ..mlx_lm_internals import MLP, QuantizedSwitchLinear, SwitchLinear, swiglu
 
 _FUSED = "_fused_projection"  # the attribute the fused module and its split points are kept under
+FUSABLE = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear)  # and their subclasses
 
 
 def fuse(parts: Sequence[nn.Module]) -> tuple[nn.Module, list[int]] | None:
-    """A module computing ``parts`` (linear layers of one input) in one call, and the output offsets that split its
-    result into theirs; the parts' arrays become views of its arrays. None (nothing changed) unless every part is a
-    linear layer of the same class with the same arrays and, quantized, the same quantization."""
+    """A module computing ``parts`` (linear layers of one input, or switch layers) in one call, and where each part after
+    the first starts on the leading axis (a linear layer's outputs, a switch's experts); the parts' arrays become views
+    of its arrays. None (nothing changed) unless every part has the same class, the same arrays and, quantized, the
+    same quantization."""
     first = parts[0]
-    if not isinstance(first, (nn.Linear, nn.QuantizedLinear)) or any(type(p) is not type(first) for p in parts):
+    if not isinstance(first, FUSABLE) or any(type(p) is not type(first) for p in parts):
         return None
     keys = sorted(k for k, v in first.items() if isinstance(v, mx.array))
     quant = ("group_size", "bits", "mode")
@@ -59,6 +64,11 @@ def project(module: nn.Module, parts: Sequence[str], x: mx.array) -> list[mx.arr
         return [getattr(module, p)(x) for p in parts]
     fused, splits = made
     return list(mx.split(fused(x), splits, axis=-1))
+
+
+def fused_of(module: nn.Module) -> tuple[nn.Module, list[int]] | None:
+    """The fused module ``fuse_into`` gave ``module`` and where its parts start, or None."""
+    return module.__dict__.get(_FUSED)
 
 
 def fuse_into(module: nn.Module, parts: Sequence[str]) -> dict[int, mx.array]:
@@ -98,35 +108,39 @@ class FusedMLP(MLP):
 
 
 GATED_DELTA_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+GATE_UP = ("gate_proj", "up_proj")
 
 
-def use_fused_projections(model: nn.Module, gated_delta_class: type, engine_class: type,
-                          shares: nn.Module | None = None) -> int:
-    """Fuse the text model's gated-delta input projections (those layers take ``engine_class``, whose call runs the
-    engine's ``gated_delta_layer``, which projects through ``project``) and its MLPs' gate and up (``FusedMLP``), one
-    layer at a time; ``shares`` (the VLM's language model, which holds the same arrays) gets each view as it is made,
-    so the arrays it replaces are freed layer by layer. Returns how many arrays are now views."""
+@dataclass(frozen=True)
+class Fusion:
+    """Modules of class ``of`` (exactly) whose ``parts`` run as one; they take the class ``becomes``, whose call
+    projects through ``project`` (or ``fused_of``)."""
+
+    of: type
+    parts: tuple[str, ...]
+    becomes: type
+    when: Callable[[Any], bool] | None = None
+
+
+def use_fused_projections(model: nn.Module, fusions: Sequence[Fusion], shares: nn.Module | None = None) -> int:
+    """Make ``fusions`` in the text model, one layer at a time; ``shares`` (the VLM's language model, which holds the
+    same arrays) gets each view as it is made, so the arrays it replaces are freed layer by layer. Returns how many
+    arrays are now views."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for _, m in shares.named_modules() if shares is not None else ():
         for k, v in m.items():
             if isinstance(v, mx.array):
                 holders.setdefault(id(v), []).append((m, k))
 
-    def swap(views: dict[int, mx.array]) -> int:
-        for key, view in views.items():
-            for m, k in holders.pop(key, []):
-                m[k] = view
-        return len(views)
-
     n = 0
     for layer in model.model.layers:
-        lin: Any = getattr(layer, "linear_attn", None)
-        if type(lin) in (gated_delta_class, engine_class) and lin.sharding_group is None:
-            if made := fuse_into(lin, GATED_DELTA_INPUTS):
-                n += swap(made)
-                lin.__class__ = engine_class
         for _, m in layer.named_modules():
-            if type(m) is MLP and (made := fuse_into(m, ("gate_proj", "up_proj"))):
-                n += swap(made)
-                m.__class__ = FusedMLP
+            f = next((f for f in fusions if type(m) is f.of and (f.when is None or f.when(m))), None)
+            if f is None or not (views := fuse_into(m, f.parts)):
+                continue
+            for key, view in views.items():
+                for holder, k in holders.pop(key, []):
+                    holder[k] = view
+            n += len(views)
+            m.__class__ = f.becomes
     return n

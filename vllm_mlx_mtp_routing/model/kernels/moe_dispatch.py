@@ -26,6 +26,7 @@ import mlx.nn as nn
 
 from ..mlx_lm_internals import SwitchGLU, gather_sort, scatter_unsort
 from .device import on_gpu
+from .fused_projections import fused_of
 from .retype import modules_of, retype
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ MLX_LM = DispatchPlan()
 
 
 class DispatchedSwitchGLU(SwitchGLU):
-    """mlx-lm's ``SwitchGLU`` (mlx-lm 0.31.3's ``__call__``, line for line) with the sort decided by ``plan``."""
+    """mlx-lm's ``SwitchGLU`` (mlx-lm 0.31.3's ``__call__``, line for line) with the sort decided by ``plan``; an
+    unsorted call gathers the gate and up experts in one where they were fused (fused_projections.py)."""
 
     plan: DispatchPlan = MLX_LM  # the class's: mlx-lm's rule until measure() sets the instance's
 
@@ -89,8 +91,16 @@ class DispatchedSwitchGLU(SwitchGLU):
             x, idx, inv_order = gather_sort(x, indices)
         if self.training:
             idx = mx.stop_gradient(idx)
-        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
-        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
+        fused = fused_of(self)
+        if fused is not None and not do_sort:
+            # gate's experts then up's, stacked (fused_projections.py): one gather over each pair's two experts
+            stacked, (experts,) = fused
+            k = idx.shape[-1]
+            both = stacked(x, mx.concatenate([idx, idx + experts], axis=-1))
+            x_gate, x_up = both[..., :k, :, :], both[..., k:, :, :]
+        else:
+            x_up = self.up_proj(x, idx, sorted_indices=do_sort)
+            x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
         x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
         if do_sort:
             x = scatter_unsort(x, inv_order, indices.shape)

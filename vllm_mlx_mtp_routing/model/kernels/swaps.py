@@ -9,9 +9,9 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
 - ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet`` and mlx-lm's ``MLP`` -> ``fused_projections.FusedMLP``: the
-  gated-delta layer's four input projections, and an MLP's gate and up, as one matmul each (fused_projections.py; the
-  parts' arrays become views of the fused ones, in the VLM's own language model too). CPU and CUDA; Metal keeps
-  separate projections until measured there.
+  gated-delta layer's four input projections, and an MLP's gate and up, as one matmul each; the MoE switch's gate and
+  up experts as one gather (fused_projections.py; the parts' arrays become views of the fused ones, in the VLM's own
+  language model too). CPU and CUDA; Metal keeps separate projections until measured there.
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
   CPU and CUDA, where it was measured (``compiled_decode_devices``); Metal keeps mlx-lm's until measured there.
 - mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from ..backbone import FusedGatedDeltaNet
-from ..mlx_lm_internals import Attention, GatedDeltaNet
+from ..mlx_lm_internals import MLP, Attention, GatedDeltaNet
 from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
-from .fused_projections import use_fused_projections
+from .fused_projections import GATE_UP, GATED_DELTA_INPUTS, FusedMLP, Fusion, use_fused_projections
 from .grouped_attention import GroupedAttention
-from .moe_dispatch import use_dispatched_switch
+from .moe_dispatch import DispatchedSwitchGLU, use_dispatched_switch
 from .retype import modules_of, retype
 from .skinny_matmul import SkinnyLinear
 
@@ -50,6 +50,14 @@ class Swapped:
     fused_projections: int = 0  # arrays now views of a fused projection's
 
 
+# Projections of one input run as one: the gated-delta layers' inputs (their call is the engine's gated_delta_layer),
+# MLPs' gate and up, the MoE switch's gate and up experts (one gather).
+FUSIONS = (
+    Fusion(GatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet, lambda m: m.sharding_group is None),
+    Fusion(FusedGatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet),
+    Fusion(MLP, GATE_UP, FusedMLP),
+    Fusion(DispatchedSwitchGLU, GATE_UP, DispatchedSwitchGLU),
+)
 # Where projections of one input run as one matmul: where it was measured (CPU: bitwise the same, fewer ops; CUDA:
 # fewer launches of a launch-bound step).
 fused_projection_devices = {"cpu", "cuda"}
@@ -88,10 +96,10 @@ def apply(model: nn.Module, head: nn.Module | None, shares: nn.Module | None = N
     fused = use_fused_recurrence(model)
     grouped = use_grouped_attention(model) + (use_grouped_attention(head) if head is not None else 0)
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
-    fused_arrays = use_fused_projections(model, GatedDeltaNet, FusedGatedDeltaNet, shares) \
-        if kind() in fused_projection_devices else 0
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
     compiled = use_compiled_decode(model) if kind() in compiled_decode_devices else 0
     switches = use_dispatched_switch(model) + (use_dispatched_switch(head) if head is not None else 0)
+    # last: a fused module is a copy of its first part, which by now has the class this device gives it
+    fused_arrays = use_fused_projections(model, FUSIONS, shares) if kind() in fused_projection_devices else 0
     return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
                    compiled_decode=compiled, moe_switches=switches, fused_projections=fused_arrays)
