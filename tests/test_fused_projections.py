@@ -120,12 +120,13 @@ def test_the_text_model_fuses_and_computes_the_same(tiny_vlm_fp32, tmp_path):
     assert all(_FUSED in m.__dict__ for m in [*gated, *mlps])
 
 
-def test_moe_shared_expert_and_switch_fuse(moe_vlm_factory):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the CPU's float32 expert call, stacked
+def test_moe_shared_expert_and_switch_fuse(moe_vlm_factory, dtype):
     """The MoE blocks' shared expert (gate and up) and their switch (gate and up experts stacked, one gather): the
     same logits as part by part, the VLM still sharing every array."""
     from mlx_vlm import load
 
-    path = moe_vlm_factory()
+    path = moe_vlm_factory(dtype=dtype)
     vlm, _ = load(str(path))
     bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
     model = bundle.model
@@ -135,6 +136,8 @@ def test_moe_shared_expert_and_switch_fuse(moe_vlm_factory):
     assert all(fused_of(m) is not None for m in switches)
     stacked, (experts,) = fused_of(switches[0])
     assert experts == switches[0].gate_proj.weight.shape[0] and stacked.weight.shape[0] == 2 * experts
+    assert type(stacked) is type(switches[0].gate_proj)  # the class the device gave the experts (bf16: float32 calls)
+    assert (type(stacked).__name__.startswith("Float32")) == (dtype == "bfloat16")
     assert assert_zero_copy(vlm, model) == bundle.shared_arrays
 
     ids = mx.array([[11, 200, 37, 400, 5, 981, 42]])  # 7 tokens: the unsorted gather, where the stacked one runs
