@@ -72,8 +72,8 @@ def fused_of(module: nn.Module) -> tuple[nn.Module, list[int]] | None:
 
 
 def fuse_into(module: nn.Module, parts: Sequence[str]) -> dict[int, mx.array]:
-    """Fuse ``module``'s linear layers named ``parts`` (``project`` then runs them as one); returns each replaced array's
-    id -> its view, for other holders of the same arrays. Empty where they cannot be fused."""
+    """Fuse ``module``'s layers named ``parts`` (``project`` or ``fused_of`` then runs them as one); returns each
+    replaced array's id -> its view, for other holders of the same arrays. Empty where they cannot be fused."""
     layers = [getattr(module, p) for p in parts]
     before = [{k: v for k, v in m.items() if isinstance(v, mx.array)} for m in layers]
     made = fuse(layers)

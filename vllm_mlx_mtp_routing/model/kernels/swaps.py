@@ -51,7 +51,8 @@ class Swapped:
 
 
 # Projections of one input run as one: the gated-delta layers' inputs (their call is the engine's gated_delta_layer),
-# MLPs' gate and up, the MoE switch's gate and up experts (one gather).
+# MLPs' gate and up, the MoE switch's gate and up experts (one gather). The text model's layers only: an MTP head
+# may be a host drafter's, whose arrays the drafter holds.
 FUSIONS = (
     Fusion(GatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet, lambda m: m.sharding_group is None),
     Fusion(FusedGatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet),
