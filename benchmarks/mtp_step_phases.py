@@ -24,13 +24,14 @@ once). Medians over ``--rounds`` alternated rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,17 @@ def instrument(loop: dl.EngineLoop, phases: Phases) -> None:
     spec.accept = accept_after_wait
 
 
-def patch_verify(phases_of: Callable[[], Phases]) -> None:
-    """verify.forward / roll_back are module functions the runner calls through the module: time them for the side
-    whose phases are on."""
+@contextlib.contextmanager
+def verify_timed(phases_of: Callable[[], Phases]) -> Iterator[None]:
+    """verify.forward / roll_back are module functions the runner calls through the module: timed for the side whose
+    phases are on while this lasts, the module's own put back after (nothing stays patched between batch sizes)."""
     forward, roll_back = verify.forward, verify.roll_back
     verify.forward = lambda *a, **k: phases_of().timed("verify_build", forward)(*a, **k)
     verify.roll_back = lambda *a, **k: phases_of().timed("rollback", roll_back)(*a, **k)
+    try:
+        yield
+    finally:
+        verify.forward, verify.roll_back = forward, roll_back
 
 
 def at_batch(loaded: dl.Loaded, B: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -115,29 +121,29 @@ def at_batch(loaded: dl.Loaded, B: int, a: argparse.Namespace) -> dict[str, Any]
         phases[name] = Phases()
         instrument(loop, phases[name])
     current = {"side": "plain"}
-    patch_verify(lambda: phases[current["side"]])
     per_round: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-    for r in range(a.rounds + 1):  # round 0 warms up
-        for name in (list(sides) if r % 2 else list(sides)[::-1]):
-            loop, ph = loops[name], phases[name]
-            current["side"] = name
-            gc.collect()
-            dl.drain()
-            ph.seconds.clear()
-            before = loop.tokens
-            ph.on = True
-            t = time.perf_counter()
-            for _ in range(a.steps):
-                loop.step()
-            dl.drain()
-            wall = time.perf_counter() - t
-            ph.on = False
-            if r:
-                got = {k: 1e3 * v / a.steps for k, v in ph.seconds.items()}
-                got["step"] = 1e3 * wall / a.steps
-                got["other"] = got["step"] - sum(v for k, v in got.items() if k != "step")
-                got["tokens_per_step"] = (loop.tokens - before) / a.steps
-                per_round[name].append(got)
+    with verify_timed(lambda: phases[current["side"]]):
+        for r in range(a.rounds + 1):  # round 0 warms up
+            for name in (list(sides) if r % 2 else list(sides)[::-1]):
+                loop, ph = loops[name], phases[name]
+                current["side"] = name
+                gc.collect()
+                dl.drain()
+                ph.seconds.clear()
+                before = loop.tokens
+                ph.on = True
+                t = time.perf_counter()
+                for _ in range(a.steps):
+                    loop.step()
+                dl.drain()
+                wall = time.perf_counter() - t
+                ph.on = False
+                if r:
+                    got = {k: 1e3 * v / a.steps for k, v in ph.seconds.items()}
+                    got["step"] = 1e3 * wall / a.steps
+                    got["other"] = got["step"] - sum(v for k, v in got.items() if k != "step")
+                    got["tokens_per_step"] = (loop.tokens - before) / a.steps
+                    per_round[name].append(got)
     row: dict[str, Any] = {"batch": B}
     for name, rounds in per_round.items():
         keys = sorted({k for got in rounds for k in got})
