@@ -397,12 +397,15 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
     prompts = prompts_for(loaded, B, a.prompt_tokens, seed=B)
     # The sides of a round: plain, MTP as the engine runs it, and with --mtp-launch-layers MTP whose verify starts in
     # pieces of that many layers (0: all at once).
-    sides: dict[str, tuple[bool, int | None]] = {"plain": (False, None), "mtp": (True, None)}
+    # With --mtp-ks, MTP drafting that many tokens a step (acceptance forced per draft, so k drafts keep a prefix).
+    sides: dict[str, tuple[int, int | None]] = {"plain": (0, None), "mtp": (1, None)}
     for n in a.mtp_launch_layers:
-        sides[f"mtp_pieces{n}"] = (True, n)
+        sides[f"mtp_pieces{n}"] = (1, n)
+    for k in a.mtp_ks:
+        sides[f"mtp_k{k}"] = (k, None)
     loops: dict[str, EngineLoop] = {}
-    for name, (mtp, launch_layers) in sides.items():
-        decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=1, adaptive=False, seed=B) if mtp else None
+    for name, (k, launch_layers) in sides.items():
+        decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=k, adaptive=False, seed=B) if k else None
         loops[name] = loop = EngineLoop(loaded, prompts, decode)
         if launch_layers is not None:  # else the engine's own
             loop.sched.runner.launch_layers = launch_layers
@@ -443,6 +446,9 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
                     ratios[name].append(got[name]["tok_s"] / got["plain"]["tok_s"])
     row: dict[str, Any] = {"batch": B, "speedup": round(statistics.median(ratios["mtp"]), 3),
                            "speedup_rounds": [round(x, 3) for x in ratios["mtp"]]}
+    for k in a.mtp_ks:
+        row[f"speedup_k{k}"] = round(statistics.median(ratios[f"mtp_k{k}"]), 3)
+        row[f"speedup_k{k}_rounds"] = [round(x, 3) for x in ratios[f"mtp_k{k}"]]
     for n in a.mtp_launch_layers:
         row[f"speedup_pieces{n}"] = round(statistics.median(ratios[f"mtp_pieces{n}"]), 3)
         row[f"speedup_pieces{n}_rounds"] = [round(x, 3) for x in ratios[f"mtp_pieces{n}"]]
@@ -467,6 +473,12 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
+def _more_ks(m: dict) -> str:
+    """The other draft counts' MTP / plain, after k = 1's."""
+    return "".join(f" (k = {key[len('speedup_k'):]}: {v:.3f})" for key, v in m.items()
+                   if key.startswith("speedup_k") and not key.endswith("_rounds"))
+
+
 def table(result: dict) -> str:
     lines = ["| shape | B | engine ms | engine, stock classes | generate_step | BatchGenerator | engine / generate_step "
              "| engine / BatchGenerator | CPU ms/step: engine / gs / BG | device busy ms: engine / gs / BG | bound ms |",
@@ -489,7 +501,7 @@ def table(result: dict) -> str:
     if mtp:
         lines += ["", "| shape | dispatch | B | MTP / plain | acceptance | rounds | step ms: plain / MTP "
                   "| CPU ms/step: plain / MTP | device busy ms: plain / MTP |", "|" + " --- |" * 9]
-        lines += [f"| {label} | {m.get('dispatch', '-')} | {m['batch']} | {m['speedup']:.3f} | {m['acceptance']} "
+        lines += [f"| {label} | {m.get('dispatch', '-')} | {m['batch']} | {m['speedup']:.3f}{_more_ks(m)} | {m['acceptance']} "
                   f"| {m['speedup_rounds']} | {m.get('plain_step_ms', '-')} / {m.get('mtp_step_ms', '-')} "
                   f"| {m.get('plain_cpu_ms', '-')} / {m.get('mtp_cpu_ms', '-')} "
                   f"| {m.get('plain_device_busy_ms', '-')} / {m.get('mtp_device_busy_ms', '-')} |" for label, m in mtp]
@@ -510,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acceptance", type=float, default=0.8, help="forced acceptance of the MTP runs")
     ap.add_argument("--mtp-steps", type=int, default=32, help="steps of each MTP / plain run")
     ap.add_argument("--mtp-rounds", type=int, default=3)
+    ap.add_argument("--mtp-ks", default="", type=lambda v: [int(x) for x in v.split(",") if x and x != "1"],
+                    help="also MTP drafting these many tokens a step (comma list; k = 1 is always run)")
     ap.add_argument("--mtp-launch-layers", default="", type=lambda v: [int(x) for x in v.split(",") if x],
                     help="also MTP with its verify started every N layers while the rest is built (0: at once), per N "
                     "of this comma list")
