@@ -202,3 +202,62 @@ def test_a_measurement_without_steady_steps_alternates_instead_of_holding_one_ar
         chosen.append(k)
     assert policy.costs.ratio(8) is None
     assert 0.4 < chosen.count(1) / len(chosen) < 0.6
+
+
+def simulate_counts(policy: DraftPolicy, steps: int, *, ratios: dict[int, float], acceptance: list[float],
+                    batch: int = 4, noise: float = 0.05, seed: int = 0) -> tuple[list[int], float]:
+    """As ``simulate``, a drafting step of j drafts costing ratios[j] plain steps, draft j accepted with chance
+    acceptance[j] when every draft before it was (a verify keeps a prefix)."""
+    rng = random.Random(seed)
+    rows, samplers = [_row() for _ in range(batch)], [_sampler() for _ in range(batch)]
+    chosen, tokens, seconds = [], 0, 0.0
+    for _ in range(steps):
+        k, drafting = policy.plan(policy.draft_count(batch), rows, samplers)
+        accepted = []
+        for d in drafting:
+            n = 0
+            while d and n < k and rng.random() < acceptance[n]:
+                n += 1
+            accepted.append(n)
+        step = 0.01 * (ratios[k] if k else 1.0) * (1 + rng.uniform(-noise, noise))
+        policy.observe(rows, k, drafting, accepted, seconds=step, shape=(batch, k))
+        chosen.append(k)
+        tokens += batch + sum(accepted)
+        seconds += step
+    return chosen, tokens / seconds * 0.01 / batch
+
+
+def test_choose_count_takes_the_count_that_pays_most():
+    """Launch-bound (a GPU): a second draft costs the verify little, and two drafts pay more than one; compute-bound
+    (a CPU): each draft costs its share, and one draft (or none) pays more. The choice lands within 3% of the best
+    fixed count's throughput; the estimate per position is the chance of draft j after j - 1 accepted."""
+    cases = [({1: 1.45, 2: 1.6}, [0.8, 0.8], 2), ({1: 1.45, 2: 2.3}, [0.8, 0.8], 1),
+             ({1: 1.45, 2: 1.6}, [0.8, 0.2], 1), ({1: 2.1, 2: 3.2}, [0.8, 0.8], 0)]
+    for ratios, acceptance, best in cases:
+        for seed in range(2):
+            policy = DraftPolicy(2, choose_count=True)
+            chosen, got = simulate_counts(policy, 1500, ratios=ratios, acceptance=acceptance, seed=seed)
+            tail = chosen[300:]
+            assert tail.count(best) / len(tail) > 0.9, (ratios, acceptance, seed, {j: tail.count(j) for j in (0, 1, 2)})
+            fixed = [simulate_counts(DraftPolicy(j, adaptive=False), 1500, ratios=ratios, acceptance=acceptance,
+                                     seed=seed)[1] if j else 1.0 for j in (0, 1, 2)]
+            assert got >= 0.97 * max(fixed), (ratios, acceptance, seed, got, fixed)
+            est = policy.stats()["position_acceptance_estimate"]
+            assert abs(est[0] - acceptance[0]) < 0.15
+    stats = policy.stats()
+    assert set(stats["draft_cost_by_count"]) == {1, 2} and abs(stats["draft_cost_by_count"][2][4] - 3.2) < 0.2
+
+
+def test_choose_count_off_or_fixed_keeps_one_count():
+    assert DraftPolicy(2).counts == [2] and DraftPolicy(2, choose_count=True, adaptive=False).counts == [2]
+    assert DraftPolicy(3, choose_count=True).counts == [3, 2, 1]
+    seeded = _sampler(temperature=0.8, seed=3)  # a seeded sampled row drafts k, whatever the costs say
+    p = DraftPolicy(2, choose_count=True, costs=DraftCosts(known={2: 9.0}))
+    assert p.plan(2, [_row(), _row()], [seeded, _sampler()]) == (2, [True, True])
+
+
+def test_expected_accepted_counts_a_draft_only_after_its_predecessors():
+    from vllm_mlx_mtp_routing.text_engine.spec.mtp_rows import expected_accepted
+
+    assert expected_accepted([0.8, 0.5], 2) == 0.8 + 0.8 * 0.5 and expected_accepted([0.8, 0.5], 1) == 0.8
+    assert expected_accepted([0.8], 3) == 0.8  # positions never judged add nothing

@@ -569,3 +569,45 @@ def test_a_row_with_a_penalty_joins_while_a_plain_step_runs_ahead(tiny):
     finals, _ = run(bundle, tok, jobs, decode)
     assert {i: f.finish_reason for i, f in finals.items()} == {i: f.finish_reason for i, f in ref.items()}
     assert [finals[i].token_ids for i in range(3)] == [ref[i].token_ids for i in range(3)]
+
+
+class CycledCounts(DraftPolicy):
+    """Drafts the counts of ``cycle`` in turn, step by step (0: plain), for every row that can."""
+
+    def __init__(self, k, cycle):
+        super().__init__(k, adaptive=False)
+        self.cycle, self.steps = cycle, 0
+
+    def plan(self, k, rows, samplers):
+        count = self.cycle[self.steps % len(self.cycle)]
+        self.steps += 1
+        return super().plan(count, rows, samplers)
+
+
+def test_a_draft_count_that_changes_from_step_to_step_stays_exact(tiny):
+    """What ``choose_count`` does: a step drafts 2, the next 1 or none; rows join mid-decode; drafts are the true
+    continuation (the plain output) up to a random point, so rows keep 0, 1 or 2 of them."""
+    bundle, tok = tiny
+    prompts = _prompts(LENGTHS, seed=5)
+    ref = _plain(bundle, tok, prompts, MAX_TOKENS)
+    truths = [p + t for p, t in zip(prompts, _plain(bundle, tok, prompts, [m + 3 for m in MAX_TOKENS]))]
+    rng = np.random.default_rng(5)
+
+    def hook(histories, drafts):
+        out = []
+        for h, d in zip(histories, drafts):
+            if d is None:
+                out.append(None)
+                continue
+            truth = next(t for t in truths if t[: len(h)] == h)[len(h) : len(h) + len(d)]
+            good = int(rng.integers(0, len(d) + 1))
+            out.append(truth[:good] + [(t + 1) % 3000 for t in truth[good:]] + [7] * (len(d) - len(truth)))
+        return out
+
+    policy = CycledCounts(2, [2, 1, 0, 1, 2, 2, 0, 1, 1])
+    decode = hooked_decode(bundle.mtp, hook, k=2, policy=policy)
+    jobs = [(a, p, SamplingOptions(max_tokens=m)) for a, p, m in zip([0, 1, 3, 4], prompts, MAX_TOKENS)]
+    finals, _ = run(bundle, tok, jobs, decode)
+    assert [finals[i].token_ids for i in range(4)] == ref
+    hist = decode.stats()["accepted_histogram"]
+    assert policy.steps > 10 and hist[1] > 0 and hist[2] > 0 and hist[0] > 0

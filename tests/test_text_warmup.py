@@ -143,3 +143,12 @@ def test_auto_is_off_on_the_cpu() -> None:
     assert warmup.enabled("on") and not warmup.enabled("off") and not warmup.enabled("auto")
     with pytest.raises(ValueError):
         warmup.enabled("maybe")
+
+
+def test_a_policy_that_chooses_its_draft_count_warms_a_verify_at_each(tiny) -> None:
+    bundle, tok = tiny
+    decode = Recording(bundle.mtp, k=2, choose_count=True)
+    engine = TextEngine(bundle.model, tok, max_num_seqs=2, prefill_step_size=16, decode=decode)
+    done = engine.warm_up()
+    assert decode.log[:6] == [(1, 0), (1, 2), (1, 1), (2, 0), (2, 2), (2, 1)]
+    assert done.verify_batch_sizes == [1, 2] and engine.stats()["mtp"]["draft_count_by_batch"] == {}

@@ -137,13 +137,17 @@ def mtp_decode(
             bundle.mtp,
             k=settings.mtp_num_draft_tokens,
             adaptive=config.mtp_schedule == "adaptive",
+            choose_count=True,
             max_batch_size=config.mtp_max_batch_size,
             prompt_pairs=config.mtp_prompt_pairs,
         )
         logger.info(
-            "mtp-routing: MTP speculative decoding on the text path, k=%d, per-row acceptance, schedule %s, max batch %s, "
+            "mtp-routing: MTP speculative decoding on the text path, k=%d%s, per-row acceptance, schedule %s, max batch %s, "
             "head over the prompt's last %s positions",
-            settings.mtp_num_draft_tokens, config.mtp_schedule, config.mtp_max_batch_size or "unlimited",
+            settings.mtp_num_draft_tokens,
+            " (or fewer, where that pays more)" if settings.mtp_num_draft_tokens > 1 and config.mtp_schedule == "adaptive"
+            else "",
+            config.mtp_schedule, config.mtp_max_batch_size or "unlimited",
             config.mtp_prompt_pairs or "all",
         )
         return decode

@@ -6,8 +6,8 @@ first use in the process). Without a warm-up a server meets each the first time 
 every running stream stalls with it.
 
 ``run`` steps throwaway rows through the engine's own decode strategy once at each batch size 1..N, one row
-joining per size as requests do: a plain step, and with MTP a verify of the configured draft count where the
-strategy would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. Where the
+joining per size as requests do: a plain step, and with MTP a verify of each draft count the strategy may choose
+where it would draft at that size; then a longer row, prefilled in the server's chunks, joins and leaves. Where the
 server has a prefix cache, that row's snapshots are taken (one mid-prompt, one at the end of its generation) and a
 follow-up request restores one: the first end-of-generation snapshot has first uses of its own, a stall
 every stream of a fresh server would meet at its first finished request. The rows live
@@ -48,15 +48,17 @@ class WarmupError(RuntimeError):
 
 
 class ScriptedDrafts(DraftPolicy):
-    """Drafts k on the steps it is told to (``drafting``) for every row that can, none on the others."""
+    """Drafts ``count`` (k unless told) on the steps it is told to (``drafting``) for every row that can, none on
+    the others."""
 
     drafting = False
 
     def __init__(self, k: int) -> None:
         super().__init__(k, adaptive=False)
+        self.count = k
 
     def draft_count(self, batch: int) -> int:
-        return self.k if self.drafting else 0
+        return self.count if self.drafting else 0
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,13 @@ def _rehearse(
                 policy.drafting = False
             while len(rehearsal.running) < B:  # the new rows' prefill and join, then (in the same step) a plain step of B rows
                 _check(rehearsal.step(), B)
-            # The verify where the server's own policy could draft at this size (--mtp-max-batch-size).
+            # The verify where the server's own policy could draft at this size (--mtp-max-batch-size), at each draft
+            # count it may choose: each is a shape of its own.
             if policy is not None and scheduler.spec is not None and scheduler.spec.policy.draft_count(B):
                 policy.drafting = True
-                _check(rehearsal.step(), B)
+                for count in scheduler.spec.policy.counts:
+                    policy.count = count
+                    _check(rehearsal.step(), B)
                 verified.append(B)
             mx.synchronize()
             seconds.append(round(time.perf_counter() - started, 4))

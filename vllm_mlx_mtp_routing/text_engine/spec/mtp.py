@@ -57,7 +57,8 @@ class MTPDecode:
     ``BatchScheduler(model, tokenizer, decode=MTPDecode(bundle.mtp, k=1))``; the head must be bound to the same
     TextModel (``build_text_model`` does that). ``policy`` replaces the ``DraftPolicy(k, adaptive=...,
     max_batch_size=...)`` built from the other arguments; ``proposer`` and ``acceptance`` replace the head's own
-    proposer and ``accept_rows`` (benchmarks and tests control drafts or acceptance with them).
+    proposer and ``accept_rows`` (benchmarks and tests control drafts or acceptance with them). ``choose_count``: the
+    adaptive policy may draft fewer than k where that pays more (draft_policy.py).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class MTPDecode:
         *,
         hidden_state_mode: str | None = None,
         adaptive: bool = True,
+        choose_count: bool = False,
         max_batch_size: int | None = None,
         per_row_acceptance: bool = True,
         resume_window: int = 8,
@@ -83,7 +85,8 @@ class MTPDecode:
         self.hidden_state_mode = self.proposer.hidden_state_mode
         self.per_row_acceptance = per_row_acceptance  # False: batch-wide all-or-nothing, for comparison
         self.accept: Acceptance = acceptance or functools.partial(accept_rows, per_row=per_row_acceptance)
-        self.policy = policy or DraftPolicy(k, adaptive=adaptive, max_batch_size=max_batch_size)
+        self.policy = policy or DraftPolicy(k, adaptive=adaptive, max_batch_size=max_batch_size,
+                                            choose_count=choose_count)
         self._fresh_state()
 
     def _fresh_state(self) -> None:

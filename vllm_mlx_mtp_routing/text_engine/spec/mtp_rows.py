@@ -17,7 +17,15 @@ class MTPRowState:
     pending_h: list[tuple[mx.array, int, int, int]] = field(default_factory=list)
     pending_t: list[int] = field(default_factory=list)
     skipped: int = 0  # older pairs dropped unsynced: the head skips their positions
-    acceptance: float | None = None  # recent accepted drafts per drafting step (the draft policy's)
+    # The draft policy's estimate, per draft position j: the recent chance that draft j is accepted when every draft
+    # before it was (None: not drafted yet).
+    position_acceptance: list[float] | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        """Recent accepted drafts per drafting step, at the positions estimated."""
+        p = self.position_acceptance
+        return None if p is None else expected_accepted(p, len(p))
 
     def add_pending(self, hidden: mx.array, i: int, tokens: list[int]) -> None:
         self.pending_h.append((hidden, i, 0, len(tokens)))
@@ -38,3 +46,13 @@ class MTPRowState:
             else:
                 self.pending_h[0] = (h, i, a + n, b)
             drop -= n
+
+
+def expected_accepted(positions: list[float], k: int) -> float:
+    """Accepted drafts per step drafting k, given each position's conditional acceptance: a draft counts only when
+    every draft before it was accepted."""
+    total, reach = 0.0, 1.0
+    for p in positions[:k]:
+        reach *= p
+        total += reach
+    return total
