@@ -398,14 +398,18 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
     # The sides of a round: plain, MTP as the engine runs it, and with --mtp-launch-layers MTP whose verify starts in
     # pieces of that many layers (0: all at once).
     # With --mtp-ks, MTP drafting that many tokens a step (acceptance forced per draft, so k drafts keep a prefix).
-    sides: dict[str, tuple[int, int | None]] = {"plain": (0, None), "mtp": (1, None)}
+    # With --mtp-auto K, the server's adaptive schedule choosing 0 to K drafts a step (it learns in the warm-up round).
+    sides: dict[str, tuple[int, int | None, bool]] = {"plain": (0, None, False), "mtp": (1, None, False)}
     for n in a.mtp_launch_layers:
-        sides[f"mtp_pieces{n}"] = (1, n)
+        sides[f"mtp_pieces{n}"] = (1, n, False)
     for k in a.mtp_ks:
-        sides[f"mtp_k{k}"] = (k, None)
+        sides[f"mtp_k{k}"] = (k, None, False)
+    if a.mtp_auto:
+        sides["mtp_auto"] = (a.mtp_auto, None, True)
     loops: dict[str, EngineLoop] = {}
-    for name, (k, launch_layers) in sides.items():
-        decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=k, adaptive=False, seed=B) if k else None
+    for name, (k, launch_layers, adaptive) in sides.items():
+        decode = ForcedAcceptanceDecode(loaded.head, a.acceptance, k=k, adaptive=adaptive, choose_count=adaptive,
+                                        seed=B) if k else None
         loops[name] = loop = EngineLoop(loaded, prompts, decode)
         if launch_layers is not None:  # else the engine's own
             loop.sched.runner.launch_layers = launch_layers
@@ -446,6 +450,12 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
                     ratios[name].append(got[name]["tok_s"] / got["plain"]["tok_s"])
     row: dict[str, Any] = {"batch": B, "speedup": round(statistics.median(ratios["mtp"]), 3),
                            "speedup_rounds": [round(x, 3) for x in ratios["mtp"]]}
+    if a.mtp_auto:
+        row["speedup_auto"] = round(statistics.median(ratios["mtp_auto"]), 3)
+        row["speedup_auto_rounds"] = [round(x, 3) for x in ratios["mtp_auto"]]
+        policy = runs["mtp_auto"][-1]["stats"]
+        row["auto_policy"] = {key: policy.get(key) for key in ("draft_count_by_batch", "draft_cost_by_count",
+                                                               "position_acceptance_estimate", "steps_without_mtp")}
     for k in a.mtp_ks:
         row[f"speedup_k{k}"] = round(statistics.median(ratios[f"mtp_k{k}"]), 3)
         row[f"speedup_k{k}_rounds"] = [round(x, 3) for x in ratios[f"mtp_k{k}"]]
@@ -475,8 +485,11 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
 
 def _more_ks(m: dict) -> str:
     """The other draft counts' MTP / plain, after k = 1's."""
-    return "".join(f" (k = {key[len('speedup_k'):]}: {v:.3f})" for key, v in m.items()
+    more = "".join(f" (k = {key[len('speedup_k'):]}: {v:.3f})" for key, v in m.items()
                    if key.startswith("speedup_k") and not key.endswith("_rounds"))
+    if "speedup_auto" in m:
+        more += f" (adaptive: {m['speedup_auto']:.3f}, counts {m['auto_policy']['draft_count_by_batch']})"
+    return more
 
 
 def table(result: dict) -> str:
@@ -524,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-rounds", type=int, default=3)
     ap.add_argument("--mtp-ks", default="", type=lambda v: [int(x) for x in v.split(",") if x and x != "1"],
                     help="also MTP drafting these many tokens a step (comma list; k = 1 is always run)")
+    ap.add_argument("--mtp-auto", type=int, default=0, metavar="K",
+                    help="also the adaptive schedule choosing 0 to K drafts a step, as the server runs it")
     ap.add_argument("--mtp-launch-layers", default="", type=lambda v: [int(x) for x in v.split(",") if x],
                     help="also MTP with its verify started every N layers while the rest is built (0: at once), per N "
                     "of this comma list")

@@ -148,7 +148,7 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
     out = tmp_path / "loops.json"
     assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
                     "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-steps", "2", "--mtp-rounds", "1", "--mtp-launch-layers", "0",
-                    "--out", str(out)]) == 0
+                    "--mtp-ks", "2", "--mtp-auto", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and res["versions"]["mlx_lm"] and res["device_busy"].startswith("n/a: MLX runs on the CPU")
     [shape] = res["shapes"]
@@ -167,6 +167,9 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
         # what a step of each side costs (no device busy time on the CPU)
         assert all(mtp[f"{side}_{key}"] > 0 for side in ("plain", "mtp", "mtp_pieces0") for key in ("step_ms", "cpu_ms"))
         assert mtp["speedup_pieces0"] > 0  # MTP with its verify launched at once, beside the engine's own
+        assert mtp["speedup_k2"] > 0 and mtp["mtp_k2_step_ms"] > 0  # two drafts a step
+        # the server's schedule, choosing 0-2 drafts: what it chose and measured is reported
+        assert mtp["speedup_auto"] > 0 and set(mtp["auto_policy"]["draft_cost_by_count"]) == {"1", "2"}
         assert "plain_device_busy_ms" not in mtp
 
 
