@@ -39,7 +39,7 @@ from .mtp_rows import MTPRowState, expected_accepted
 
 ROW_RATE = 1 / 8  # a row's acceptance: an EMA over its drafting steps (a coin per step at k = 1)
 PRIOR_RATE = 1 / 32  # a new row's starting estimate: the recent acceptance of every row
-HOLD = 0.03  # drafting stops when it loses by this much (see _pays)
+HOLD = 0.03  # drafting (a count) stops when it loses by this much (see _best)
 
 
 class DraftPolicy:
