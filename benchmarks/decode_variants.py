@@ -10,6 +10,8 @@ not (a GPU), or again:
   decoder layers compiled (the same swap) against the package's uncompiled verify layer;
 - ``fused_projections``: plain steps, projections of one input run as one matmul (model/kernels/fused_projections.py)
   against part by part, on the same weights;
+- ``conv_step``: plain steps, the gated-delta layers' conv and its next window in one kernel
+  (``causal_conv.conv_step``, CUDA) against the concatenation and the conv kernel;
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
   started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
 
@@ -41,7 +43,7 @@ from mtp_shapes_bench import SHAPES, Rows, build, load_tokenizer  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from lib.provenance import commit, device, versions  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import fused_projections  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, use_compiled_decode  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.swaps import compiled_decode_devices  # noqa: E402
@@ -50,7 +52,7 @@ from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
@@ -72,6 +74,10 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
         for layer in model.model.layers:
             if layer.is_linear:
                 layer.__class__ = CompiledDecoderLayer if on else DecoderLayer
+    elif option == "conv_step":
+        (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
+        for layer in model.model.layers:
+            layer.__dict__.pop("_step", None)  # a compiled step traced one way: traced again
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -92,7 +98,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections")
+    mtp = option not in ("compiled_decode", "fused_projections", "conv_step")
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
@@ -113,6 +119,9 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         for layer, cls in zip(model.model.layers, classes):
             layer.__class__ = cls
         fused_projections.attach(_detached.pop(id(model), {}))
+        causal_conv.conv_step_devices.discard(kind())
+        for layer in model.model.layers:
+            layer.__dict__.pop("_step", None)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {
         "batch": B, "option": option, "rounds": rounds, "block": block,

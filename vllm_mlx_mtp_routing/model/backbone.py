@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernels.causal_conv import conv1d
+from .kernels.causal_conv import conv1d, conv_step, step_runs
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, plain_cache
 from .kernels.device import on_cuda, on_metal
 from .kernels.fused_projections import GATED_DELTA_INPUTS, project
@@ -187,17 +187,23 @@ def _recurrence(
 
 
 def _layer_core(
-    lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool
+    lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool,
+    window_only: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) as a function of its inputs and state ->
-    (output, the conv window input, the final recurrent state, with ``capture`` every state)."""
+    (output, the conv window input, the final recurrent state, with ``capture`` every state). ``window_only``: the
+    conv window's last positions only (the next conv state), from one kernel where it runs (causal_conv.conv_step)."""
     B, S, _ = x.shape
     qkv, z, b, a = project(lin, GATED_DELTA_INPUTS, x)
     z = z.reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = nn.silu(conv1d(lin.conv1d, conv_input))
+    if window_only:
+        conv_out, conv_input = conv_step(lin.conv1d, conv_state, qkv)
+    else:
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = conv1d(lin.conv1d, conv_input)
+    conv_out = nn.silu(conv_out)
     Hk, Dk = lin.num_k_heads, lin.head_k_dim
     # q's and k's heads normalized in one call (each head is its own row: the same as two calls, one launch fewer)
     qk = mx.fast.rms_norm(conv_out[..., : 2 * lin.key_dim].reshape(B, S, 2 * Hk, Dk), None, 1e-6)
@@ -237,7 +243,11 @@ def gated_delta_layer(
             core = _compiled_cores[id(lin)] = mx.compile(functools.partial(_layer_core, lin, mask=None, capture=True))
         out, conv_input, final, states = core(x, conv_state, state)
     else:
-        out, conv_input, final, states = _layer_core(lin, x, conv_state, state, mask, capture)
+        # Without capture, over a cache without per-row lengths, only the window's end is kept: one kernel where
+        # causal_conv.conv_step runs (then "conv_input" returned is that end).
+        window_only = (not capture and mask is None and cache is not None and cache.lengths is None
+                       and step_runs(lin.conv1d, conv_state, S))
+        out, conv_input, final, states = _layer_core(lin, x, conv_state, state, mask, capture, window_only)
     if cache is not None:
         if cache.lengths is not None:
             ends = mx.clip(cache.lengths, 0, S)
