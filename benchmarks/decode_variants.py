@@ -44,7 +44,11 @@ import mlx.core as mx  # noqa: E402
 from lib.provenance import commit, device, versions  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, use_compiled_decode  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import (  # noqa: E402
+    CompiledDecoderLayer,
+    retrace,
+    use_compiled_decode,
+)
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.swaps import compiled_decode_devices  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
@@ -76,8 +80,7 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
                 layer.__class__ = CompiledDecoderLayer if on else DecoderLayer
     elif option == "conv_step":
         (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
-        for layer in model.model.layers:
-            layer.__dict__.pop("_step", None)  # a compiled step traced one way: traced again
+        retrace(model.model.layers)  # a compiled step traced one way: traced again
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -120,8 +123,7 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
             layer.__class__ = cls
         fused_projections.attach(_detached.pop(id(model), {}))
         causal_conv.conv_step_devices.discard(kind())
-        for layer in model.model.layers:
-            layer.__dict__.pop("_step", None)
+        retrace(model.model.layers)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {
         "batch": B, "option": option, "rounds": rounds, "block": block,

@@ -56,6 +56,7 @@ def test_a_layer_that_keeps_only_the_windows_end_is_mlx_lms_layer(tiny, monkeypa
     it (the cache's next conv state, prompt chunks and one-token steps, the compiled step) is mlx-lm's layer bit for
     bit. The kernel's own values: benchmarks/gpu/conv_step_check.py on a GPU."""
     from vllm_mlx_mtp_routing.model import backbone
+    from vllm_mlx_mtp_routing.model.kernels.compiled_decode import retrace
     from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, DecoderLayer
 
     bundle, _ = tiny
@@ -63,7 +64,7 @@ def test_a_layer_that_keeps_only_the_windows_end_is_mlx_lms_layer(tiny, monkeypa
     monkeypatch.setattr(backbone, "step_runs", lambda *a: taken.append(a) or True)
     monkeypatch.setattr(backbone, "conv_step", lambda *a: stepped.append(a) or causal_conv.conv_step(*a))
     layer = next(layer for layer in bundle.model.model.layers if layer.is_linear)
-    layer.__dict__.pop("_step", None)  # traced again, on this path
+    retrace([layer])  # traced again, on this path
     lin, H = layer.linear_attn, bundle.model.args.hidden_size
     rng = np.random.default_rng(batch)
     ours, ref = ArraysCache(size=2), ArraysCache(size=2)
@@ -73,5 +74,5 @@ def test_a_layer_that_keeps_only_the_windows_end_is_mlx_lms_layer(tiny, monkeypa
         assert mx.array_equal(got, want).item()
         assert ours[0].shape == (batch, lin.conv_kernel_size - 1, lin.conv_dim)
         assert all(mx.array_equal(a, b).item() for a, b in zip(ours.state, ref.state))
-    layer.__dict__.pop("_step", None)
+    retrace([layer])
     assert taken and stepped  # the layer took the one-kernel path (its conv and window from conv_step)

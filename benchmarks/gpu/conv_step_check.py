@@ -7,6 +7,7 @@ of a wider array (as the fused projection gives it). Writes a JSON result; on a 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -49,10 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     if not on_cuda():
         print("conv_step_check: no CUDA device here; nothing to check")
         return 0
-    rows = [case(B, S, C, dtype, sliced, seed=i)
-            for i, (B, S, C, dtype, sliced) in enumerate(
-                (B, S, C, dtype, sliced) for B in (1, 3, 8) for S in (1, 2, 5, 64) for C in (64, C_2B)
-                for dtype in (mx.bfloat16, mx.float32) for sliced in (False, True))]
+    grid = itertools.product((1, 3, 8), (1, 2, 5, 64), (64, C_2B), (mx.bfloat16, mx.float32), (False, True))
+    rows = [case(B, S, C, dtype, sliced, seed=i) for i, (B, S, C, dtype, sliced) in enumerate(grid)]
     bad = [r for r in rows if not (r["kernel_ran"] and r["output_equal"] and r["window_equal"])]
     Path(a.out).write_text(json.dumps({"check": "conv_step", "cases": len(rows), "failed": bad, "rows": rows}, indent=1))
     print(f"conv_step_check: {len(rows) - len(bad)} of {len(rows)} cases bitwise equal" + (f"; failed: {bad[:4]}" if bad else ""))

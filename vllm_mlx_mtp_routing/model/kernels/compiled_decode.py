@@ -80,6 +80,13 @@ class CompiledDecoderLayer(DecoderLayer):
         return step(h, conv_state, state)
 
 
+def retrace(layers: Any) -> None:
+    """Drop the one-token steps these layers traced: their next call traces again (a switch a traced graph baked in,
+    such as causal_conv.conv_step_devices, then takes effect)."""
+    for layer in layers:
+        layer.__dict__.pop("_step", None)
+
+
 def use_compiled_decode(model: Any) -> int:
     """Give the text model's gated-delta decoder layers the compiled one-token step; how many changed."""
     return retype(model.model.layers, DecoderLayer, CompiledDecoderLayer, lambda layer: layer.is_linear)
