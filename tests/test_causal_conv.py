@@ -32,11 +32,11 @@ def test_only_a_depthwise_conv_in_eval_on_cuda_takes_the_kernel(monkeypatch) -> 
     assert not causal_conv.supported(conv, x)  # training keeps the module's own (differentiable) conv
 
 
-def test_the_one_kernel_step_is_off_until_measured_and_never_off_cuda(monkeypatch) -> None:
+def test_the_one_kernel_step_is_on_cuda_only_and_never_off_cuda(monkeypatch) -> None:
     conv = nn.Conv1d(16, 16, 4, groups=16, bias=False)
     conv.train(False)
     state, x = mx.random.normal((2, 3, 16)), mx.random.normal((2, 5, 16))
-    assert not causal_conv.conv_step_devices  # on nowhere: no GPU run has measured it yet
+    assert causal_conv.conv_step_devices == {"cuda"}  # on where a GPU run measured it, and nowhere else
     monkeypatch.setattr(causal_conv, "conv_step_devices", {"cpu", "cuda"})
     assert not causal_conv.step_runs(conv, state, 5)  # the CPU: no CUDA kernel, the concatenation
     window = mx.concatenate([state, x], axis=1)

@@ -62,9 +62,9 @@ _STEP_SOURCE = """
     if (t < P) window[(b * P + t) * C + c] = AT(S + t);
     #undef AT
 """
-# Where ``conv_step`` runs its one kernel: nowhere until a GPU run measures it (benchmarks/decode_variants.py
-# --options conv_step; its exactness: benchmarks/gpu/conv_step_check.py). Elsewhere it concatenates, as before.
-conv_step_devices: set[str] = set()
+# Where ``conv_step`` runs its one kernel: CUDA, where it was measured (benchmarks/decode_variants.py --options
+# conv_step; its exactness: benchmarks/gpu/conv_step_check.py). Elsewhere it concatenates, as before.
+conv_step_devices: set[str] = {"cuda"}
 
 
 @cache
