@@ -12,6 +12,8 @@ not (a GPU), or again:
   against part by part, on the same weights;
 - ``conv_step``: plain steps, the gated-delta layers' conv and its next window in one kernel
   (``causal_conv.conv_step``, CUDA) against the concatenation and the conv kernel;
+- ``add_norm``: plain steps, each decoder layer's residual add and post-attention norm in one kernel
+  (``add_norm.add_norm``, CUDA) against the two ops;
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
   started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
 
@@ -43,20 +45,20 @@ from mtp_shapes_bench import SHAPES, Rows, build, load_tokenizer  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from lib.provenance import commit, device, versions  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import add_norm, causal_conv, fused_projections  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import (  # noqa: E402
     CompiledDecoderLayer,
     retrace,
     use_compiled_decode,
 )
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.swaps import compiled_decode_devices  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.swaps import compiled_decode_devices, use_add_norm_layers  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "add_norm", "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
@@ -81,6 +83,9 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
     elif option == "conv_step":
         (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
         retrace(model.model.layers)  # a compiled step traced one way: traced again
+    elif option == "add_norm":
+        (add_norm.add_norm_devices.add if on else add_norm.add_norm_devices.discard)(kind())
+        retrace(model.model.layers)
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -101,8 +106,9 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", "conv_step")
+    mtp = option not in ("compiled_decode", "fused_projections", "conv_step", "add_norm")
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
+    device_sets = [(d, set(d)) for d in (causal_conv.conv_step_devices, add_norm.add_norm_devices)]  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
@@ -122,7 +128,9 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         for layer, cls in zip(model.model.layers, classes):
             layer.__class__ = cls
         fused_projections.attach(_detached.pop(id(model), {}))
-        causal_conv.conv_step_devices.discard(kind())
+        for devices, before in device_sets:
+            devices.clear()
+            devices.update(before)
         retrace(model.model.layers)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     model, head, _, _ = build(shape, getattr(mx, a.dtype), sorted(set(range(tok_size, shape["vocab_size"])) | set(special)))
     if kind() in compiled_decode_devices:  # the engine's own layers on this device (swaps.apply)
         use_compiled_decode(model)
+    use_add_norm_layers(model)  # likewise (CUDA only)
     usable = [i for i in range(10, tok_size) if i not in set(special)]
     rng = __import__("random").Random(0)
     rows = Rows(model, head, [[rng.choice(usable) for _ in range(a.prompt_tokens)] for _ in range(max(batches))])

@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .kernels.add_norm import add_norm
 from .kernels.causal_conv import conv1d, conv_step, step_runs
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, plain_cache
 from .kernels.device import on_cuda, on_metal
@@ -310,8 +311,8 @@ def backbone_forward(
             else:
                 r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c,
                                                           capture=True)
-                h = h + r
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h, normed = add_norm(h, r, layer.post_attention_layernorm)
+                h = h + layer.mlp(normed)
             captured.append(Captured(c, conv_input, states))
     post = inner.norm(h)
     out = lm_head(model, post) if logits else None

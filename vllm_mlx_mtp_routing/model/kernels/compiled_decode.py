@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..mlx_lm_internals import ArraysCache, DecoderLayer
+from .add_norm import AddNormDecoderLayer, add_norm, layer_call
 from .retype import retype
 
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
@@ -35,15 +36,15 @@ VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, 
 def _layer_step(layer: DecoderLayer, x: mx.array, conv_state: mx.array, state: mx.array) -> tuple[mx.array, ...]:
     cache = ArraysCache(size=2)
     cache[0], cache[1] = conv_state, state
-    out = DecoderLayer.__call__(layer, x, None, cache)
+    out = layer_call(layer, x, None, cache)
     return out, cache[0], cache[1]
 
 
 def _verify_layer(layer: DecoderLayer, core: Core, h: mx.array, conv_state: mx.array,
                   state: mx.array) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
     r, conv_input, final, states = core(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
-    h = h + r
-    return h + layer.mlp(layer.post_attention_layernorm(h)), conv_input, final, states
+    h, n = add_norm(h, r, layer.post_attention_layernorm)
+    return h + layer.mlp(n), conv_input, final, states
 
 
 def plain_cache(cache: Any) -> bool:
@@ -52,7 +53,7 @@ def plain_cache(cache: Any) -> bool:
             and cache.left_padding is None)
 
 
-class CompiledDecoderLayer(DecoderLayer):
+class CompiledDecoderLayer(AddNormDecoderLayer):
     """mlx-lm's gated-delta decoder layer whose one-token step runs compiled; the class the text model's gated-delta
     layers take (swaps.py)."""
 
