@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from bitwise_report import report
 
 from vllm_mlx_mtp_routing.model.kernels import add_norm as an
 from vllm_mlx_mtp_routing.model.kernels.device import kind, on_cuda
@@ -50,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = itertools.product((1, 3, 8, 17), (64, 100, 576, 1024, 2048, 4096, 5120, 8192),
                              (mx.bfloat16, mx.float16, mx.float32))
     rows = [case(n, D, dtype, seed=i) for i, (n, D, dtype) in enumerate(grid) if an.launch_shape(D, dtype) is not None]
-    bad = [r for r in rows if not (r["kernel_ran"] and r["sum_equal"] and r["norm_equal"])]
-    Path(a.out).write_text(json.dumps({"check": "add_norm", "cases": len(rows), "failed": bad, "rows": rows}, indent=1))
-    print(f"add_norm_check: {len(rows) - len(bad)} of {len(rows)} cases bitwise equal" + (f"; failed: {bad[:4]}" if bad else ""))
-    return 1 if bad else 0
+    return report("add_norm", rows, ("kernel_ran", "sum_equal", "norm_equal"), a.out)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from bitwise_report import report
 
 from vllm_mlx_mtp_routing.model.kernels import causal_conv
 from vllm_mlx_mtp_routing.model.kernels.device import kind, on_cuda
@@ -52,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     grid = itertools.product((1, 3, 8), (1, 2, 5, 64), (64, C_2B), (mx.bfloat16, mx.float32), (False, True))
     rows = [case(B, S, C, dtype, sliced, seed=i) for i, (B, S, C, dtype, sliced) in enumerate(grid)]
-    bad = [r for r in rows if not (r["kernel_ran"] and r["output_equal"] and r["window_equal"])]
-    Path(a.out).write_text(json.dumps({"check": "conv_step", "cases": len(rows), "failed": bad, "rows": rows}, indent=1))
-    print(f"conv_step_check: {len(rows) - len(bad)} of {len(rows)} cases bitwise equal" + (f"; failed: {bad[:4]}" if bad else ""))
-    return 1 if bad else 0
+    return report("conv_step", rows, ("kernel_ran", "output_equal", "window_equal"), a.out)
 
 
 if __name__ == "__main__":
