@@ -145,11 +145,23 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
     bound counts the experts a step touched, MTP runs against plain at forced acceptance."""
     import decode_loops as DL
 
+    from vllm_mlx_mtp_routing.model.kernels import add_norm
+
     out = tmp_path / "loops.json"
-    assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                    "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-steps", "2", "--mtp-rounds", "1", "--mtp-launch-layers", "0",
-                    "--mtp-ks", "2", "--mtp-auto", "2", "--out", str(out)]) == 0
+    with pytest.raises(SystemExit):  # a kernel it does not know: exit 2 naming the flag
+        DL.main(["--kernels-on", "nope", "--out", str(out)])
+    before = set(add_norm.add_norm_devices)
+    try:  # a kernel switched on is asked for on this device (the CPU: where it never runs)
+        assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
+                        "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-steps", "2", "--mtp-rounds", "1",
+                        "--mtp-launch-layers", "0", "--mtp-ks", "2", "--mtp-auto", "2", "--kernels-on", "add_norm",
+                        "--out", str(out)]) == 0
+        assert add_norm.add_norm_devices == before | {"cpu"}
+    finally:
+        add_norm.add_norm_devices.clear()
+        add_norm.add_norm_devices.update(before)
     res = json.loads(out.read_text())
+    assert res["args"]["kernels_on"] == ["add_norm"]
     assert res["commit"] and res["versions"]["mlx_lm"] and res["device_busy"].startswith("n/a: MLX runs on the CPU")
     [shape] = res["shapes"]
     one, two = shape["rows"]
