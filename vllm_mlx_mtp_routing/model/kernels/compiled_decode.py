@@ -6,7 +6,8 @@ recurrence step, the gated norm, the MLP), each a separate kernel, and each a fe
 Compiled (``mx.compile``, traced once per batch size) its elementwise ops fuse and the graph is built once: fewer
 kernels and less Python per step. The layer's inputs are its hidden state and its cache's [conv, recurrent] state;
 its weights are constants of the graph (inference never changes them). The arithmetic is mlx-lm's
-``DecoderLayer.__call__``, the same ops in the same order: outputs are bitwise those of the uncompiled layer on the
+``DecoderLayer.__call__`` as ``add_norm.layer_call`` runs it (the residual add and the post-attention norm in one
+kernel where that is on), the same ops in the same order: outputs are bitwise those of the uncompiled layer on the
 CPU (tests/test_compiled_decode.py).
 
 The MTP verify's layer (backbone.backbone_forward with capture: the recurrent state after each position kept) runs
