@@ -23,6 +23,7 @@ from vllm_mlx_mtp_routing.model.kernels.fused_projections import (
     fused_of,
     project,
 )
+from vllm_mlx_mtp_routing.model.kernels.grouped_attention import GroupedAttention
 from vllm_mlx_mtp_routing.model.text_model import assert_zero_copy, build_text_model
 
 H = 256
@@ -101,8 +102,11 @@ def test_the_text_model_fuses_and_computes_the_same(tiny_vlm_fp32, tmp_path):
     bundle = build_text_model(vlm, tiny_vlm_fp32, json.loads((tiny_vlm_fp32 / "config.json").read_text()))
     model = bundle.model
     gated = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
+    attention = [layer.self_attn for layer in model.model.layers if not layer.is_linear]
     mlps = [m for _, m in model.named_modules() if isinstance(m, FusedMLP)]
     assert gated and all(type(lin) is FusedGatedDeltaNet and _FUSED in lin.__dict__ for lin in gated)
+    assert attention and all(type(a) is GroupedAttention and _FUSED in a.__dict__ for a in attention)
+    assert _FUSED not in bundle.mtp.layers[0].self_attn.__dict__  # the head's arrays may be a host drafter's
     assert len(mlps) == len(model.model.layers)
     assert assert_zero_copy(vlm, model) == bundle.shared_arrays  # the VLM holds the same views
     assert bundle.extra_bytes <= bundle.mtp_bytes + (1 << 20)
@@ -111,13 +115,13 @@ def test_the_text_model_fuses_and_computes_the_same(tiny_vlm_fp32, tmp_path):
     fused_logits = model(ids)
     fused_matmuls = _graph_matmuls(model, ids, tmp_path)
     made = detach(model)  # the separate projections, on the same views
-    assert len(made) == len(gated) + len(mlps)
+    assert len(made) == len(gated) + len(attention) + len(mlps)
     try:
         assert mx.array_equal(model(ids), fused_logits).item()
-        assert _graph_matmuls(model, ids, tmp_path) - fused_matmuls == 3 * len(gated) + len(mlps)
+        assert _graph_matmuls(model, ids, tmp_path) - fused_matmuls == 3 * len(gated) + 2 * len(attention) + len(mlps)
     finally:
         attach(made)
-    assert all(_FUSED in m.__dict__ for m in [*gated, *mlps])
+    assert all(_FUSED in m.__dict__ for m in [*gated, *attention, *mlps])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the CPU's float32 expert call, stacked

@@ -1,6 +1,6 @@
 """One matmul where a layer runs several on the same input: the gated-delta layer's four input projections (qkv, z,
-b, a), an MLP's gate and up (the dense MLPs and the MoE blocks' shared expert), and the MoE switch's gate and up
-experts (one gather over both).
+b, a), the attention layer's q (with its gate), k and v, an MLP's gate and up (the dense MLPs and the MoE blocks'
+shared expert), and the MoE switch's gate and up experts (one gather over both).
 
 A decode step is launch-bound on a GPU (docs/benchmarks.md, "Decode loops"): at the 2B shape 78 of its ~650 kernels
 are these projections' separate matrix-vector products. The fused weight is the parts' weights (and scales, biases)
@@ -109,6 +109,7 @@ class FusedMLP(MLP):
 
 GATED_DELTA_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 GATE_UP = ("gate_proj", "up_proj")
+ATTENTION_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 @dataclass(frozen=True)

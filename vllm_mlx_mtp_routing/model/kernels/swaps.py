@@ -9,7 +9,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
 - mlx-lm's and mlx-vlm's ``SwitchLinear`` -> ``cpu_experts.Float32SwitchLinear``: 16-bit MoE experts multiplied in
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
 - ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet`` and mlx-lm's ``MLP`` -> ``fused_projections.FusedMLP``: the
-  gated-delta layer's four input projections, and an MLP's gate and up, as one matmul each; the MoE switch's gate and
+  gated-delta layer's four input projections, attention's q, k and v (``GroupedAttention`` projects through the fused
+  one), and an MLP's gate and up, as one matmul each; the MoE switch's gate and
   up experts as one gather (fused_projections.py; the parts' arrays become views of the fused ones, in the VLM's own
   language model too). CPU and CUDA; Metal keeps separate projections until measured there.
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
@@ -34,7 +35,7 @@ from .add_norm import AddNormDecoderLayer
 from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
-from .fused_projections import GATE_UP, GATED_DELTA_INPUTS, FusedMLP, Fusion, use_fused_projections
+from .fused_projections import ATTENTION_QKV, GATE_UP, GATED_DELTA_INPUTS, FusedMLP, Fusion, use_fused_projections
 from .grouped_attention import GroupedAttention
 from .moe_dispatch import DispatchedSwitchGLU, use_dispatched_switch
 from .retype import modules_of, retype
@@ -56,11 +57,12 @@ class Swapped:
 
 
 # Projections of one input run as one: the gated-delta layers' inputs (their call is the engine's gated_delta_layer),
-# MLPs' gate and up, the MoE switch's gate and up experts (one gather). The text model's layers only: an MTP head
-# may be a host drafter's, whose arrays the drafter holds.
+# attention's q, k and v, MLPs' gate and up, the MoE switch's gate and up experts (one gather). The text model's layers
+# only: an MTP head may be a host drafter's, whose arrays the drafter holds.
 FUSIONS = (
     Fusion(GatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet, lambda m: m.sharding_group is None),
     Fusion(FusedGatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet),
+    Fusion(GroupedAttention, ATTENTION_QKV, GroupedAttention),
     Fusion(MLP, GATE_UP, FusedMLP),
     Fusion(DispatchedSwitchGLU, GATE_UP, DispatchedSwitchGLU),
 )
