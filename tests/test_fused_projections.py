@@ -16,6 +16,7 @@ from vllm_mlx_mtp_routing.model.backbone import FusedGatedDeltaNet
 from vllm_mlx_mtp_routing.model.kernels.fused_projections import (
     _FUSED,
     FusedMLP,
+    FusedSparseMoeBlock,
     attach,
     detach,
     fuse,
@@ -126,17 +127,22 @@ def test_the_text_model_fuses_and_computes_the_same(tiny_vlm_fp32, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the CPU's float32 expert call, stacked
 def test_moe_shared_expert_and_switch_fuse(moe_vlm_factory, dtype):
-    """The MoE blocks' shared expert (gate and up) and their switch (gate and up experts stacked, one gather): the
-    same logits as part by part, the VLM still sharing every array."""
+    """The MoE blocks' router, shared expert gate and shared expert (gate and up) as one matmul, and their switch (gate
+    and up experts stacked, one gather): the same logits as part by part, the VLM still sharing every array."""
     from mlx_vlm import load
 
     path = moe_vlm_factory(dtype=dtype)
     vlm, _ = load(str(path))
     bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
     model = bundle.model
-    shared = [layer.mlp.shared_expert for layer in model.model.layers]
-    switches = [layer.mlp.switch_mlp for layer in model.model.layers]
-    assert shared and all(isinstance(m, FusedMLP) and fused_of(m) is not None for m in shared)
+    blocks = [layer.mlp for layer in model.model.layers]
+    switches = [block.switch_mlp for block in blocks]
+    assert blocks and all(type(b) is FusedSparseMoeBlock for b in blocks)
+    fused, splits = fused_of(blocks[0])
+    experts, inner = blocks[0].gate.weight.shape[0], blocks[0].shared_expert.gate_proj.weight.shape[0]
+    assert splits == [experts, experts + 1, experts + 1 + inner] and fused.weight.shape[0] == experts + 1 + 2 * inner
+    # the shared expert's own gate and up are parts of the block's matmul, not fused again on their own
+    assert all(fused_of(b.shared_expert) is None for b in blocks)
     assert all(fused_of(m) is not None for m in switches)
     stacked, (experts,) = fused_of(switches[0])
     assert experts == switches[0].gate_proj.weight.shape[0] and stacked.weight.shape[0] == 2 * experts

@@ -15,7 +15,8 @@
   own positions; the grouped attention runs its ``__call__`` with the attention call split by row
   length, kernels/grouped_attention.py).
 - ``Qwen3NextMLP`` and ``activations.swiglu``: ``FusedMLP`` (kernels/fused_projections.py) mirrors the MLP's
-  ``__call__`` with its gate and up in one matmul.
+  ``__call__`` with its gate and up in one matmul; ``Qwen3NextSparseMoeBlock``: ``FusedSparseMoeBlock`` mirrors its
+  ``__call__`` with the router, the shared expert's gate and its gate and up in one matmul.
 - ``mlx_lm.models.switch_layers``: ``SwitchGLU`` (the MoE switch whose ``__call__`` kernels/moe_dispatch.py mirrors
   with the sort chosen per call size) and its ``_gather_sort`` / ``_scatter_unsort``; ``SwitchLinear`` /
   ``QuantizedSwitchLinear`` (experts on the leading axis of every array: kernels/fused_projections.py stacks the
@@ -31,7 +32,11 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_kernel, gated_delta_update
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, TextModel, TextModelArgs
-from mlx_lm.models.qwen3_next import Qwen3NextAttention as Attention, Qwen3NextMLP as MLP
+from mlx_lm.models.qwen3_next import (
+    Qwen3NextAttention as Attention,
+    Qwen3NextMLP as MLP,
+    Qwen3NextSparseMoeBlock as SparseMoeBlock,
+)
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, _gather_sort, _scatter_unsort
 
 __all__ = [
@@ -43,6 +48,7 @@ __all__ = [
     "KVCache",
     "MLP",
     "QuantizedSwitchLinear",
+    "SparseMoeBlock",
     "SwitchGLU",
     "SwitchLinear",
     "TextModel",

@@ -1,6 +1,6 @@
 """One matmul where a layer runs several on the same input: the gated-delta layer's four input projections (qkv, z,
-b, a), the attention layer's q (with its gate), k and v, an MLP's gate and up (the dense MLPs and the MoE blocks'
-shared expert), and the MoE switch's gate and up experts (one gather over both).
+b, a), the attention layer's q (with its gate), k and v, an MLP's gate and up, the MoE block's router with its shared
+expert's gate and that expert's gate and up, and the MoE switch's gate and up experts (one gather over both).
 
 A decode step is launch-bound on a GPU (docs/benchmarks.md, "Decode loops"): at the 2B shape 78 of its ~650 kernels
 are these projections' separate matrix-vector products. The fused weight is the parts' weights (and scales, biases)
@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..mlx_lm_internals import MLP, QuantizedSwitchLinear, SwitchLinear, swiglu
+from ..mlx_lm_internals import MLP, QuantizedSwitchLinear, SparseMoeBlock, SwitchLinear, swiglu
 
 _FUSED = "_fused_projection"  # the attribute the fused module and its split points are kept under
 FUSABLE = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear)  # and their subclasses
@@ -57,11 +57,18 @@ def fuse(parts: Sequence[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     return fused, ends[:-1]
 
 
+def part_of(module: nn.Module, name: str) -> nn.Module:
+    """``module``'s layer ``name``; a dotted name reaches into a child (``"shared_expert.up_proj"``)."""
+    for attr in name.split("."):
+        module = getattr(module, attr)
+    return module
+
+
 def project(module: nn.Module, parts: Sequence[str], x: mx.array) -> list[mx.array]:
     """``[module.<part>(x) for part in parts]``: from the fused projection where ``fuse_into`` made one."""
     made = module.__dict__.get(_FUSED)
     if made is None:
-        return [getattr(module, p)(x) for p in parts]
+        return [part_of(module, p)(x) for p in parts]
     fused, splits = made
     return list(mx.split(fused(x), splits, axis=-1))
 
@@ -74,7 +81,7 @@ def fused_of(module: nn.Module) -> tuple[nn.Module, list[int]] | None:
 def fuse_into(module: nn.Module, parts: Sequence[str]) -> dict[int, mx.array]:
     """Fuse ``module``'s layers named ``parts`` (``project`` or ``fused_of`` then runs them as one); returns each
     replaced array's id -> its view, for other holders of the same arrays. Empty where they cannot be fused."""
-    layers = [getattr(module, p) for p in parts]
+    layers = [part_of(module, p) for p in parts]
     before = [{k: v for k, v in m.items() if isinstance(v, mx.array)} for m in layers]
     made = fuse(layers)
     if made is None:
@@ -107,7 +114,28 @@ class FusedMLP(MLP):
         return self.down_proj(swiglu(gate, up))
 
 
+class FusedSparseMoeBlock(SparseMoeBlock):
+    """mlx-lm's MoE block (qwen3_next) whose router, shared expert gate and shared expert's gate and up run as one
+    matmul where ``fuse_into`` made it: two launches fewer a layer than the router, the gate and the fused MLP."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.sharding_group is not None or fused_of(self) is None:
+            return super().__call__(x)
+        gates, shared_gate, gate, up = project(self, MOE_INPUTS, x)
+        gates = mx.softmax(gates, axis=-1, precise=True)
+        k = self.top_k
+        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        y = self.switch_mlp(x, inds)
+        y = (y * scores[..., None]).sum(axis=-2)
+        shared_y = self.shared_expert.down_proj(swiglu(gate, up))
+        return y + mx.sigmoid(shared_gate) * shared_y
+
+
 GATED_DELTA_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+MOE_INPUTS = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")
 GATE_UP = ("gate_proj", "up_proj")
 ATTENTION_QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -134,11 +162,15 @@ def use_fused_projections(model: nn.Module, fusions: Sequence[Fusion], shares: n
                 holders.setdefault(id(v), []).append((m, k))
 
     n = 0
+    taken: set[int] = set()  # layers already a part of a fusion (a block's, visited before its children's)
     for layer in model.model.layers:
         for _, m in layer.named_modules():
             f = next((f for f in fusions if type(m) is f.of and (f.when is None or f.when(m))), None)
-            if f is None or not (views := fuse_into(m, f.parts)):
+            if f is None or any(id(part_of(m, p)) in taken for p in f.parts):
                 continue
+            if not (views := fuse_into(m, f.parts)):
+                continue
+            taken.update(id(part_of(m, p)) for p in f.parts)
             for key, view in views.items():
                 for holder, k in holders.pop(key, []):
                     holder[k] = view

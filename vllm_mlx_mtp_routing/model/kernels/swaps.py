@@ -10,7 +10,8 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   float32, which MLX's CPU GatherMM needs. CPU only; the VLM's own language model takes it too (the host's path).
 - ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet`` and mlx-lm's ``MLP`` -> ``fused_projections.FusedMLP``: the
   gated-delta layer's four input projections, attention's q, k and v (``GroupedAttention`` projects through the fused
-  one), and an MLP's gate and up, as one matmul each; the MoE switch's gate and
+  one), the MoE block's router, shared expert gate and shared expert's gate and up (``FusedSparseMoeBlock``), and an
+  MLP's gate and up, as one matmul each; the MoE switch's gate and
   up experts as one gather (fused_projections.py; the parts' arrays become views of the fused ones, in the VLM's own
   language model too). CPU and CUDA; Metal keeps separate projections until measured there.
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
@@ -30,12 +31,21 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from ..backbone import FusedGatedDeltaNet
-from ..mlx_lm_internals import MLP, Attention, DecoderLayer, GatedDeltaNet
+from ..mlx_lm_internals import MLP, Attention, DecoderLayer, GatedDeltaNet, SparseMoeBlock
 from .add_norm import AddNormDecoderLayer
 from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
-from .fused_projections import ATTENTION_QKV, GATE_UP, GATED_DELTA_INPUTS, FusedMLP, Fusion, use_fused_projections
+from .fused_projections import (
+    ATTENTION_QKV,
+    GATE_UP,
+    GATED_DELTA_INPUTS,
+    MOE_INPUTS,
+    FusedMLP,
+    FusedSparseMoeBlock,
+    Fusion,
+    use_fused_projections,
+)
 from .grouped_attention import GroupedAttention
 from .moe_dispatch import DispatchedSwitchGLU, use_dispatched_switch
 from .retype import modules_of, retype
@@ -57,12 +67,14 @@ class Swapped:
 
 
 # Projections of one input run as one: the gated-delta layers' inputs (their call is the engine's gated_delta_layer),
-# attention's q, k and v, MLPs' gate and up, the MoE switch's gate and up experts (one gather). The text model's layers
-# only: an MTP head may be a host drafter's, whose arrays the drafter holds.
+# attention's q, k and v, the MoE block's router, shared expert gate and shared expert's gate and up, the other MLPs'
+# gate and up, the MoE switch's gate and up experts (one gather). The text model's layers only: an MTP head may be a
+# host drafter's, whose arrays the drafter holds.
 FUSIONS = (
     Fusion(GatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet, lambda m: m.sharding_group is None),
     Fusion(FusedGatedDeltaNet, GATED_DELTA_INPUTS, FusedGatedDeltaNet),
     Fusion(GroupedAttention, ATTENTION_QKV, GroupedAttention),
+    Fusion(SparseMoeBlock, MOE_INPUTS, FusedSparseMoeBlock, lambda m: m.sharding_group is None),
     Fusion(MLP, GATE_UP, FusedMLP),
     Fusion(DispatchedSwitchGLU, GATE_UP, DispatchedSwitchGLU),
 )
