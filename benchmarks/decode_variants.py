@@ -40,24 +40,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mtp_shapes_bench import SHAPES, Rows, build, load_tokenizer  # noqa: E402
+from mtp_shapes_bench import Rows, load_tokenizer  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from lib.provenance import commit, device, versions  # noqa: E402
+from lib.random_model import build, text_config  # noqa: E402
+from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels import add_norm, causal_conv, fused_projections  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import (  # noqa: E402
-    CompiledDecoderLayer,
-    retrace,
-    use_compiled_decode,
-)
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.swaps import compiled_decode_devices, use_add_norm_layers  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
+SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
 OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "add_norm", "launch_early")
 
 
@@ -168,11 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--options: unknown {sorted(unknown)}; choose from {', '.join(OPTIONS)}")
     tok, tok_size, special = load_tokenizer()
-    shape = SHAPES[a.shape]
-    model, head, _, _ = build(shape, getattr(mx, a.dtype), sorted(set(range(tok_size, shape["vocab_size"])) | set(special)))
-    if kind() in compiled_decode_devices:  # the engine's own layers on this device (swaps.apply)
-        use_compiled_decode(model)
-    use_add_norm_layers(model)  # likewise (CUDA only)
+    shape = text_config(PRESETS[SHAPES[a.shape]])
+    # the engine's layers for this device (swaps.apply), as a loaded checkpoint gets them
+    model, head = build(shape, getattr(mx, a.dtype), sorted(set(range(tok_size, shape["vocab_size"])) | set(special)))
     usable = [i for i in range(10, tok_size) if i not in set(special)]
     rng = __import__("random").Random(0)
     rows = Rows(model, head, [[rng.choice(usable) for _ in range(a.prompt_tokens)] for _ in range(max(batches))])
