@@ -89,6 +89,7 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
             fused_projections.attach(_detached.pop(id(model), {}))
         else:
             _detached.setdefault(id(model), {}).update(fused_projections.detach(model))
+        retrace(model.model.layers)  # the compiled steps traced with the projections as they were
     else:
         sched.runner.launch_early = on
 

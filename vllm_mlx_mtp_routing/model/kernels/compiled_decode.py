@@ -83,10 +83,11 @@ class CompiledDecoderLayer(AddNormDecoderLayer):
 
 
 def retrace(layers: Any) -> None:
-    """Drop the one-token steps these layers traced: their next call traces again (a switch a traced graph baked in,
-    such as causal_conv.conv_step_devices, then takes effect)."""
+    """Drop the one-token steps and verify steps these layers traced: their next call traces again (a switch a traced
+    graph baked in, such as causal_conv.conv_step_devices or a fused projection, then takes effect)."""
     for layer in layers:
         layer.__dict__.pop("_step", None)
+        layer.__dict__.pop("_verify_steps", None)
 
 
 def use_compiled_decode(model: Any) -> int:
