@@ -63,7 +63,7 @@ from lib.device_busy import DeviceBusy  # noqa: E402
 from lib.provenance import commit, device, gpu_names, versions  # noqa: E402
 from lib.random_model import build, parameter_count, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import add_norm, moe_dispatch  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import add_norm, moe_dispatch, swaps  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
@@ -72,8 +72,8 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b", "trained": None}
 LOOPS = ("engine", "engine_stock", "generate_step", "batch_generator")
-# The kernels ``--kernels-on`` switches on: each one's set of devices where it runs
-KERNEL_SWITCHES = {"add_norm": add_norm.add_norm_devices}
+# What ``--kernels-on`` switches on (kernels, compiled paths): each one's set of devices where it runs
+KERNEL_SWITCHES = {"add_norm": add_norm.add_norm_devices, "compiled_tail": swaps.compiled_tail_devices}
 # Published peak memory bandwidth (bytes/s) by GPU name; elsewhere the bound uses the bandwidth measured here.
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -363,7 +363,8 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
                 row[name]["kernels_per_step_by_name"] = per_step_names(busy, a.steps)
     distinct: list[int] = []
     if loaded.config.get("num_experts"):
-        with counting_experts(loaded.model) as distinct:
+        # mlx-lm's classes for this one step: the engine's compiled layers would not call the switch from Python
+        with stock_classes(loaded.model, loaded.head), counting_experts(loaded.model) as distinct:
             loops["engine"].step()
     context = a.prompt_tokens + a.warmup + (a.repeats + 1) * (a.steps + 1)
     row["bytes_per_step"] = step_bytes(loaded, B, context, distinct)
@@ -551,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no batch size after this many seconds (0: none)")
     ap.add_argument("--no-cupti", action="store_true", help="no device busy time (CUPTI's tracing off for the run)")
     ap.add_argument("--kernels-on", default="", type=lambda v: [x for x in v.split(",") if x],
-                    help=f"kernels off by default to switch on for the run where they run: {', '.join(KERNEL_SWITCHES)}")
+                    help=f"kernels and compiled paths off by default to switch on for the run: {', '.join(KERNEL_SWITCHES)}")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.loops = [n for n in a.loops.split(",") if n]

@@ -12,6 +12,8 @@ not (a GPU), or again:
   against part by part, on the same weights;
 - ``conv_step``: plain steps, the gated-delta layers' conv and its next window in one kernel
   (``causal_conv.conv_step``, CUDA) against the concatenation and the conv kernel;
+- ``compiled_tail``: plain steps, the attention layers' tail (residual, post-attention norm, MLP or MoE block)
+  compiled (``compiled_decode.CompiledAttentionLayer``) against uncompiled;
 - ``add_norm``: plain steps, each decoder layer's residual add and post-attention norm in one kernel
   (``add_norm.add_norm``, CUDA) against the two ops;
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
@@ -48,7 +50,12 @@ from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels import add_norm, causal_conv, fused_projections  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.add_norm import AddNormDecoderLayer  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import (  # noqa: E402
+    CompiledAttentionLayer,
+    CompiledDecoderLayer,
+    retrace,
+)
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
@@ -56,7 +63,8 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "add_norm", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "compiled_tail", "add_norm",
+           "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
@@ -78,6 +86,10 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
         for layer in model.model.layers:
             if layer.is_linear:
                 layer.__class__ = CompiledDecoderLayer if on else DecoderLayer
+    elif option == "compiled_tail":
+        for layer in model.model.layers:
+            if not layer.is_linear:
+                layer.__class__ = CompiledAttentionLayer if on else AddNormDecoderLayer  # the same arithmetic untraced
     elif option == "conv_step":
         (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
         retrace(model.model.layers)  # a compiled step traced one way: traced again
@@ -105,7 +117,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", "conv_step", "add_norm")
+    mtp = option not in ("compiled_decode", "fused_projections", "conv_step", "compiled_tail", "add_norm")
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     device_sets = [(d, set(d)) for d in (causal_conv.conv_step_devices, add_norm.add_norm_devices)]  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}

@@ -12,7 +12,9 @@ CPU (tests/test_compiled_decode.py).
 
 The MTP verify's layer (backbone.backbone_forward with capture: the recurrent state after each position kept) runs
 compiled the same way, one graph per layer and recurrence (``verify_step``). A mask, a cache with per-row
-``lengths`` (mlx-lm's batch prefill) or a prompt chunk run mlx-lm's own call.
+``lengths`` (mlx-lm's batch prefill) or a prompt chunk run mlx-lm's own call. The attention layers, whose attention
+writes the KV cache in place, run their tail compiled (``CompiledAttentionLayer``: the residual, the post-attention
+norm and the MLP or MoE block, for calls of a few tokens a row).
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ def _verify_layer(layer: DecoderLayer, core: Core, h: mx.array, conv_state: mx.a
     r, conv_input, final, states = core(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
     h, n = add_norm(h, r, layer.post_attention_layernorm)
     return h + layer.mlp(n), conv_input, final, states
+
+
+def _tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
+    """What follows a layer's mixer: the residual, the post-attention norm, the MLP, the residual."""
+    h, n = add_norm(x, r, layer.post_attention_layernorm)
+    return h + layer.mlp(n)
+
+
+# The attention layers' tail runs compiled for calls of at most this many tokens a row: decode steps and MTP verifies
+# (a prompt's chunks would trace a graph per chunk length).
+TAIL_TOKENS = 8
 
 
 def plain_cache(cache: Any) -> bool:
@@ -82,14 +95,35 @@ class CompiledDecoderLayer(AddNormDecoderLayer):
         return step(h, conv_state, state)
 
 
+class CompiledAttentionLayer(AddNormDecoderLayer):
+    """mlx-lm's attention decoder layer whose tail (the residual, the post-attention norm, the MLP or MoE block, the
+    residual) runs compiled for a step of a few tokens a row; its attention, which writes the KV cache, runs as
+    mlx-lm's. The class the text model's attention layers take where the compiled step runs (swaps.py)."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        if x.shape[1] > TAIL_TOKENS or self.training:
+            return super().__call__(x, mask, cache)
+        r = self.self_attn(self.input_layernorm(x), mask, cache)
+        tail = self.__dict__.get("_tail")
+        if tail is None:
+            tail = mx.compile(functools.partial(_tail, self))
+            object.__setattr__(self, "_tail", tail)  # not a module attribute: nn.Module would list it
+        return tail(x, r)
+
+
 def retrace(layers: Any) -> None:
     """Drop the one-token steps and verify steps these layers traced: their next call traces again (a switch a traced
     graph baked in, such as causal_conv.conv_step_devices or a fused projection, then takes effect)."""
     for layer in layers:
-        layer.__dict__.pop("_step", None)
-        layer.__dict__.pop("_verify_steps", None)
+        for traced in ("_step", "_verify_steps", "_tail"):
+            layer.__dict__.pop(traced, None)
 
 
 def use_compiled_decode(model: Any) -> int:
     """Give the text model's gated-delta decoder layers the compiled one-token step; how many changed."""
     return retype(model.model.layers, DecoderLayer, CompiledDecoderLayer, lambda layer: layer.is_linear)
+
+
+def use_compiled_tail(model: Any) -> int:
+    """Give the text model's attention decoder layers the compiled tail; how many changed."""
+    return retype(model.model.layers, DecoderLayer, CompiledAttentionLayer, lambda layer: not layer.is_linear)
