@@ -6,16 +6,15 @@ without CUDA it says so."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 
 import mlx.core as mx
 import mlx.nn as nn
-from bitwise_report import report
+from bitwise_report import output_path, report
 
 from vllm_mlx_mtp_routing.model.kernels import add_norm as an
-from vllm_mlx_mtp_routing.model.kernels.device import kind, on_cuda
+from vllm_mlx_mtp_routing.model.kernels.device import kind
 
 
 def case(rows: int, D: int, dtype: mx.Dtype, seed: int) -> dict:
@@ -40,16 +39,13 @@ def case(rows: int, D: int, dtype: mx.Dtype, seed: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    if not on_cuda():
-        print("add_norm_check: no CUDA device here; nothing to check")
+    out = output_path("add_norm", __doc__, argv)
+    if out is None:
         return 0
     grid = itertools.product((1, 3, 8, 17), (64, 100, 576, 1024, 2048, 4096, 5120, 8192),
                              (mx.bfloat16, mx.float16, mx.float32))
     rows = [case(n, D, dtype, seed=i) for i, (n, D, dtype) in enumerate(grid) if an.launch_shape(D, dtype) is not None]
-    return report("add_norm", rows, ("kernel_ran", "sum_equal", "norm_equal"), a.out)
+    return report("add_norm", rows, ("kernel_ran", "sum_equal", "norm_equal"), out)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+from vllm_mlx_mtp_routing.model.kernels.device import on_cuda
+
+
+def output_path(check: str, doc: str | None, argv: list[str] | None) -> str | None:
+    """The check's ``--out``; None (said on stdout) on a machine without CUDA, where there is nothing to check."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--out", required=True)
+    out: str = ap.parse_args(argv).out
+    if not on_cuda():
+        print(f"{check}_check: no CUDA device here; nothing to check")
+        return None
+    return out
 
 
 def report(check: str, rows: list[dict], must_hold: tuple[str, ...], out: str) -> int:

@@ -6,16 +6,15 @@ of a wider array (as the fused projection gives it). Writes a JSON result; on a 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 
 import mlx.core as mx
 import mlx.nn as nn
-from bitwise_report import report
+from bitwise_report import output_path, report
 
 from vllm_mlx_mtp_routing.model.kernels import causal_conv
-from vllm_mlx_mtp_routing.model.kernels.device import kind, on_cuda
+from vllm_mlx_mtp_routing.model.kernels.device import kind
 
 C_2B = 6144  # Qwen3.5-2B's conv channels: 2 x 16 key heads x 128 + 16 value heads x 128
 
@@ -43,15 +42,12 @@ def case(B: int, S: int, C: int, dtype: mx.Dtype, sliced: bool, seed: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    if not on_cuda():
-        print("conv_step_check: no CUDA device here; nothing to check")
+    out = output_path("conv_step", __doc__, argv)
+    if out is None:
         return 0
     grid = itertools.product((1, 3, 8), (1, 2, 5, 64), (64, C_2B), (mx.bfloat16, mx.float32), (False, True))
     rows = [case(B, S, C, dtype, sliced, seed=i) for i, (B, S, C, dtype, sliced) in enumerate(grid)]
-    return report("conv_step", rows, ("kernel_ran", "output_equal", "window_equal"), a.out)
+    return report("conv_step", rows, ("kernel_ran", "output_equal", "window_equal"), out)
 
 
 if __name__ == "__main__":
