@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,6 +91,13 @@ def test_decode_variants_smoke(tmp_path: Path) -> None:
 
     out = tmp_path / "variants.json"
     assert DV.main(["--smoke", "--batches", "2", "--out", str(out)]) == 0
+    # a switch the compiled steps bake in makes them trace again (else both sides would run one way)
+    layer = SimpleNamespace()
+    model = SimpleNamespace(model=SimpleNamespace(layers=[layer]))
+    for option in ("fused_projections", "conv_step", "add_norm"):
+        layer._step, layer._tail = "traced", "traced"
+        DV.switch(option, model, None, on=True)
+        assert not {"_step", "_tail"} & set(vars(layer)), option
     res = json.loads(out.read_text())
     assert res["commit"] and res["device"] and [r["option"] for r in res["rows"]] == list(DV.OPTIONS)
     for row in res["rows"]:
