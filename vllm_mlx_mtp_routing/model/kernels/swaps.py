@@ -11,9 +11,9 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
 - ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet`` and mlx-lm's ``MLP`` -> ``fused_projections.FusedMLP``: the
   gated-delta layer's four input projections, attention's q, k and v (``GroupedAttention`` projects through the fused
   one), the MoE block's router, shared expert gate and shared expert's gate and up (``FusedSparseMoeBlock``), and an
-  MLP's gate and up, as one matmul each; the MoE switch's gate and
-  up experts as one gather (fused_projections.py; the parts' arrays become views of the fused ones, in the VLM's own
-  language model too). CPU and CUDA; Metal keeps separate projections until measured there.
+  MLP's gate and up, as one matmul each; the MoE switch's gate and up experts as one gather (fused_projections.py; the
+  parts' arrays become views of the fused ones, in the VLM's own language model too). CPU and CUDA; Metal keeps
+  separate projections until measured there.
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
   CPU and CUDA, where it was measured (``compiled_decode_devices``); Metal keeps mlx-lm's until measured there.
 - ``DecoderLayer`` (attention) -> ``compiled_decode.CompiledAttentionLayer``: the residual, the post-attention norm and
