@@ -84,14 +84,19 @@ def test_agentic_bench_workload_and_summary() -> None:
 
 
 
-def test_decode_variants_smoke(tmp_path: Path) -> None:
+def test_decode_variants_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode-option A/B at the tiny shape: every option and batch measured (no error), paired ratios
     recorded with the commit and device."""
     import decode_variants as DV
 
     out = tmp_path / "variants.json"
     assert DV.main(["--smoke", "--batches", "2", "--out", str(out)]) == 0
-    # a switch the compiled steps bake in makes them trace again (else both sides would run one way)
+    # a switch the compiled steps bake in makes them trace again (else both sides would run one way); the device sets
+    # the switches change are this test's copies
+    from vllm_mlx_mtp_routing.model.kernels import add_norm, causal_conv
+
+    monkeypatch.setattr(causal_conv, "conv_step_devices", set(causal_conv.conv_step_devices))
+    monkeypatch.setattr(add_norm, "add_norm_devices", set(add_norm.add_norm_devices))
     layer = SimpleNamespace()
     model = SimpleNamespace(model=SimpleNamespace(layers=[layer]))
     for option in ("fused_projections", "conv_step", "add_norm"):
