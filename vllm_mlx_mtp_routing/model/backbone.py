@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernels.add_norm import add_norm
+from .kernels.add_norm import layer_tail
 from .kernels.causal_conv import conv1d, conv_step, step_runs
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, plain_cache
 from .kernels.device import on_cuda, on_metal
@@ -311,8 +311,7 @@ def backbone_forward(
             else:
                 r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c,
                                                           capture=True)
-                h, normed = add_norm(h, r, layer.post_attention_layernorm)
-                h = h + layer.mlp(normed)
+                h = layer_tail(layer, h, r)
             captured.append(Captured(c, conv_input, states))
     post = inner.norm(h)
     out = lm_head(model, post) if logits else None

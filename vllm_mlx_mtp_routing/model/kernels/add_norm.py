@@ -128,13 +128,19 @@ def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.ar
     return h, y
 
 
+def layer_tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
+    """What follows a decoder layer's mixer (its output ``r``, its input ``x``): the residual, the post-attention norm
+    (with the residual as ``add_norm``), the MLP, the residual."""
+    h, n = add_norm(x, r, layer.post_attention_layernorm)
+    return h + layer.mlp(n)
+
+
 def layer_call(layer: DecoderLayer, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
     """mlx-lm's ``DecoderLayer.__call__`` with the residual add and the post-attention norm as ``add_norm``: the same
     ops in the same order where that is off."""
     normed = layer.input_layernorm(x)
     r = layer.linear_attn(normed, mask, cache) if layer.is_linear else layer.self_attn(normed, mask, cache)
-    h, n = add_norm(x, r, layer.post_attention_layernorm)
-    return h + layer.mlp(n)
+    return layer_tail(layer, x, r)
 
 
 class AddNormDecoderLayer(DecoderLayer):

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..mlx_lm_internals import ArraysCache, DecoderLayer
-from .add_norm import AddNormDecoderLayer, add_norm, layer_call
+from .add_norm import AddNormDecoderLayer, layer_call, layer_tail
 from .retype import retype
 
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
@@ -46,14 +46,7 @@ def _layer_step(layer: DecoderLayer, x: mx.array, conv_state: mx.array, state: m
 def _verify_layer(layer: DecoderLayer, core: Core, h: mx.array, conv_state: mx.array,
                   state: mx.array) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
     r, conv_input, final, states = core(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
-    h, n = add_norm(h, r, layer.post_attention_layernorm)
-    return h + layer.mlp(n), conv_input, final, states
-
-
-def _tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
-    """What follows a layer's mixer: the residual, the post-attention norm, the MLP, the residual."""
-    h, n = add_norm(x, r, layer.post_attention_layernorm)
-    return h + layer.mlp(n)
+    return layer_tail(layer, h, r), conv_input, final, states
 
 
 # The attention layers' tail runs compiled for calls of at most this many tokens a row: decode steps and MTP verifies
@@ -106,7 +99,7 @@ class CompiledAttentionLayer(AddNormDecoderLayer):
         r = self.self_attn(self.input_layernorm(x), mask, cache)
         tail = self.__dict__.get("_tail")
         if tail is None:
-            tail = mx.compile(functools.partial(_tail, self))
+            tail = mx.compile(functools.partial(layer_tail, self))
             object.__setattr__(self, "_tail", tail)  # not a module attribute: nn.Module would list it
         return tail(x, r)
 
