@@ -63,7 +63,7 @@ from lib.device_busy import DeviceBusy  # noqa: E402
 from lib.provenance import commit, device, gpu_names, versions  # noqa: E402
 from lib.random_model import build, parameter_count, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import add_norm, moe_dispatch, swaps  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import moe_dispatch  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
@@ -72,8 +72,6 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b", "trained": None}
 LOOPS = ("engine", "engine_stock", "generate_step", "batch_generator")
-# What ``--kernels-on`` switches on (kernels, compiled paths): each one's set of devices where it runs
-KERNEL_SWITCHES = {"add_norm": add_norm.add_norm_devices, "compiled_tail": swaps.compiled_tail_devices}
 # Published peak memory bandwidth (bytes/s) by GPU name; elsewhere the bound uses the bandwidth measured here.
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -551,8 +549,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="", help="random shapes' dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no batch size after this many seconds (0: none)")
     ap.add_argument("--no-cupti", action="store_true", help="no device busy time (CUPTI's tracing off for the run)")
-    ap.add_argument("--kernels-on", default="", type=lambda v: [x for x in v.split(",") if x],
-                    help=f"kernels and compiled paths off by default to switch on for the run: {', '.join(KERNEL_SWITCHES)}")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.loops = [n for n in a.loops.split(",") if n]
@@ -561,11 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in a.shapes.split(",") if s]
     if not shapes or not set(shapes) <= set(SHAPES):
         ap.error(f"--shapes: a comma list of {', '.join(SHAPES)}")
-    unknown = set(a.kernels_on) - set(KERNEL_SWITCHES)
-    if unknown:
-        ap.error(f"--kernels-on: unknown {sorted(unknown)}; choose from {', '.join(KERNEL_SWITCHES)}")
-    for name in a.kernels_on:  # before any model is built: the compiled steps trace with it
-        KERNEL_SWITCHES[name].add(kind())
     dtype = a.dtype or ("float32" if kind() == "cpu" else "bfloat16")
     t_start = time.perf_counter()
     busy = DeviceBusy(enable=not a.no_cupti)  # first: CUPTI traces from before any CUDA graph exists

@@ -12,10 +12,6 @@ not (a GPU), or again:
   against part by part, on the same weights;
 - ``conv_step``: plain steps, the gated-delta layers' conv and its next window in one kernel
   (``causal_conv.conv_step``, CUDA) against the concatenation and the conv kernel;
-- ``compiled_tail``: plain steps, the attention layers' tail (residual, post-attention norm, MLP or MoE block)
-  compiled (``compiled_decode.CompiledAttentionLayer``) against uncompiled;
-- ``add_norm``: plain steps, each decoder layer's residual add and post-attention norm in one kernel
-  (``add_norm.add_norm``, CUDA) against the two ops;
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
   started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
 
@@ -49,13 +45,8 @@ from lib.provenance import commit, device, versions  # noqa: E402
 from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import add_norm, causal_conv, fused_projections  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.add_norm import AddNormDecoderLayer  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import (  # noqa: E402
-    CompiledAttentionLayer,
-    CompiledDecoderLayer,
-    retrace,
-)
+from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
@@ -63,8 +54,7 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "compiled_tail", "add_norm",
-           "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
@@ -86,16 +76,9 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
         for layer in model.model.layers:
             if layer.is_linear:
                 layer.__class__ = CompiledDecoderLayer if on else DecoderLayer
-    elif option == "compiled_tail":
-        for layer in model.model.layers:
-            if not layer.is_linear:
-                layer.__class__ = CompiledAttentionLayer if on else AddNormDecoderLayer  # the same arithmetic untraced
     elif option == "conv_step":
         (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
         retrace(model.model.layers)  # a compiled step traced one way: traced again
-    elif option == "add_norm":
-        (add_norm.add_norm_devices.add if on else add_norm.add_norm_devices.discard)(kind())
-        retrace(model.model.layers)
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -117,9 +100,9 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", "conv_step", "compiled_tail", "add_norm")
+    mtp = option not in ("compiled_decode", "fused_projections", "conv_step")
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
-    device_sets = [(d, set(d)) for d in (causal_conv.conv_step_devices, add_norm.add_norm_devices)]  # likewise
+    conv_devices = set(causal_conv.conv_step_devices)  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
@@ -139,9 +122,8 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         for layer, cls in zip(model.model.layers, classes):
             layer.__class__ = cls
         fused_projections.attach(_detached.pop(id(model), {}))
-        for devices, before in device_sets:
-            devices.clear()
-            devices.update(before)
+        causal_conv.conv_step_devices.clear()
+        causal_conv.conv_step_devices.update(conv_devices)
         retrace(model.model.layers)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {

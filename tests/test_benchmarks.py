@@ -93,16 +93,15 @@ def test_decode_variants_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert DV.main(["--smoke", "--batches", "2", "--out", str(out)]) == 0
     # a switch the compiled steps bake in makes them trace again (else both sides would run one way); the device sets
     # the switches change are this test's copies
-    from vllm_mlx_mtp_routing.model.kernels import add_norm, causal_conv
+    from vllm_mlx_mtp_routing.model.kernels import causal_conv
 
     monkeypatch.setattr(causal_conv, "conv_step_devices", set(causal_conv.conv_step_devices))
-    monkeypatch.setattr(add_norm, "add_norm_devices", set(add_norm.add_norm_devices))
     layer = SimpleNamespace()
     model = SimpleNamespace(model=SimpleNamespace(layers=[layer]))
-    for option in ("fused_projections", "conv_step", "add_norm"):
-        layer._step, layer._tail = "traced", "traced"
+    for option in ("fused_projections", "conv_step"):
+        layer._step, layer._verify_steps = "traced", {}
         DV.switch(option, model, None, on=True)
-        assert not {"_step", "_tail"} & set(vars(layer)), option
+        assert not {"_step", "_verify_steps"} & set(vars(layer)), option
     res = json.loads(out.read_text())
     assert res["commit"] and res["device"] and [r["option"] for r in res["rows"]] == list(DV.OPTIONS)
     for row in res["rows"]:
@@ -158,23 +157,11 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
     bound counts the experts a step touched, MTP runs against plain at forced acceptance."""
     import decode_loops as DL
 
-    from vllm_mlx_mtp_routing.model.kernels import add_norm
-
     out = tmp_path / "loops.json"
-    with pytest.raises(SystemExit):  # a kernel it does not know: exit 2 naming the flag
-        DL.main(["--kernels-on", "nope", "--out", str(out)])
-    before = set(add_norm.add_norm_devices)
-    try:  # a kernel switched on is asked for on this device (the CPU: where it never runs)
-        assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                        "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-steps", "2", "--mtp-rounds", "1",
-                        "--mtp-launch-layers", "0", "--mtp-ks", "2", "--mtp-auto", "2", "--kernels-on", "add_norm",
-                        "--out", str(out)]) == 0
-        assert add_norm.add_norm_devices == before | {"cpu"}
-    finally:
-        add_norm.add_norm_devices.clear()
-        add_norm.add_norm_devices.update(before)
+    assert DL.main(["--shapes", "small-moe", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--warmup", "1",
+                    "--prompt-tokens", "8", "--mtp-batches", "2", "--mtp-steps", "2", "--mtp-rounds", "1",
+                    "--mtp-launch-layers", "0", "--mtp-ks", "2", "--mtp-auto", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["args"]["kernels_on"] == ["add_norm"]
     assert res["commit"] and res["versions"]["mlx_lm"] and res["device_busy"].startswith("n/a: MLX runs on the CPU")
     [shape] = res["shapes"]
     one, two = shape["rows"]

@@ -1,10 +1,11 @@
 """The gated-delta decoder layer's compiled one-token step (model/kernels/compiled_decode.py).
 
-fp32 tiny Qwen3.5: the compiled layer gives, bit for bit, the output and the [conv, recurrent] state of mlx-lm's own
-layer, step after step, alone and in a batch; the verify's compiled layer gives the uncompiled verify's logits and
-captured states, through a rollback; the engine on the plugin's text model (compiled layers) decodes the tokens
-mlx-lm's ``stream_generate`` decodes on the host's (uncompiled) text model; calls the compiled step does not serve (a
-prompt chunk, a masked or length-tracking cache) run mlx-lm's call.
+fp32 tiny Qwen3.5: the layer call the steps trace (``layer_call``) is mlx-lm's, gated-delta and attention layers
+alike; the compiled layer gives, bit for bit, the output and the [conv, recurrent] state of mlx-lm's own layer, step
+after step, alone and in a batch; the verify's compiled layer gives the uncompiled verify's logits and captured
+states, through a rollback; the engine on the plugin's text model (compiled layers) decodes the tokens mlx-lm's
+``stream_generate`` decodes on the host's (uncompiled) text model; calls the compiled step does not serve (a prompt
+chunk, a masked or length-tracking cache) run mlx-lm's call.
 """
 
 from __future__ import annotations
@@ -16,13 +17,8 @@ from mlx_lm.generate import stream_generate
 
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import (
-    TAIL_TOKENS,
-    CompiledAttentionLayer,
-    CompiledDecoderLayer,
-    retrace,
-)
-from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, DecoderLayer, KVCache
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, layer_call
+from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, DecoderLayer
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
 
@@ -34,28 +30,22 @@ def test_the_plugins_text_model_takes_the_compiled_layer_on_the_cpu(tiny):
     bundle, _ = tiny
     layers = bundle.model.model.layers
     assert all(type(layer) is CompiledDecoderLayer for layer in layers if layer.is_linear)
-    assert all(type(layer) is DecoderLayer for layer in layers if not layer.is_linear)  # the tail: off until measured
+    assert all(type(layer) is DecoderLayer for layer in layers if not layer.is_linear)  # mlx-lm's: nothing compiled
 
 
-@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (3, 1), (2, 2), (2, 9)])  # 9: past TAIL_TOKENS, mlx-lm's call
-def test_the_attention_layers_compiled_tail_is_mlx_lms_layer_bit_for_bit(tiny, batch, tokens, request):
+def test_the_layer_call_is_mlx_lms_layer_bit_for_bit(tiny):
     bundle, _ = tiny
-    layer = next(layer for layer in bundle.model.model.layers if not layer.is_linear)
-    layer.__class__ = CompiledAttentionLayer  # the swap swaps.compiled_tail_devices makes, on this one layer
-    request.addfinalizer(lambda: setattr(layer, "__class__", DecoderLayer))
-    rng = np.random.default_rng(batch * 10 + tokens)
+    rng = np.random.default_rng(0)
     H = bundle.model.args.hidden_size
-    ours, ref = KVCache(), KVCache()
-    for _ in range(3):
-        x = mx.array(rng.normal(size=(batch, tokens, H)).astype(np.float32))
-        mask = "causal" if tokens > 1 else None
-        got = layer(x, mask, ours)
-        want = DecoderLayer.__call__(layer, x, mask, ref)
+    for layer in bundle.model.model.layers[:4]:  # gated-delta and attention layers
+        x = mx.array(rng.normal(size=(2, 3, H)).astype(np.float32))
+        if layer.is_linear:
+            ours, ref = ArraysCache(size=2), ArraysCache(size=2)
+        else:
+            ours = ref = None
+        got = layer_call(layer, x, None, ours)
+        want = DecoderLayer.__call__(layer, x, None, ref)
         assert mx.array_equal(got, want).item()
-        assert all(mx.array_equal(a, b).item() for a, b in zip(ours.state, ref.state))
-    assert (layer.__dict__.get("_tail") is not None) == (tokens <= TAIL_TOKENS)
-    retrace([layer])
-    assert "_tail" not in layer.__dict__
 
 
 @pytest.mark.parametrize("batch", [1, 3])

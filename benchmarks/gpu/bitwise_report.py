@@ -1,4 +1,4 @@
-"""How the GPU's bitwise checks (conv_step_check.py, add_norm_check.py) report: every case to a JSON file, one line."""
+"""How the GPU's bitwise checks (conv_step_check.py) report: every case to a JSON file, one line."""
 
 from __future__ import annotations
 

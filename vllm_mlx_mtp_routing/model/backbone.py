@@ -20,9 +20,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernels.add_norm import layer_tail
 from .kernels.causal_conv import conv1d, conv_step, step_runs
-from .kernels.compiled_decode import CompiledDecoderLayer, Core, plain_cache
+from .kernels.compiled_decode import CompiledDecoderLayer, Core, layer_tail, plain_cache
 from .kernels.device import on_cuda, on_metal
 from .kernels.fused_projections import GATED_DELTA_INPUTS, project
 from .kernels.recurrence import gated_delta_fused

@@ -6,15 +6,12 @@ recurrence step, the gated norm, the MLP), each a separate kernel, and each a fe
 Compiled (``mx.compile``, traced once per batch size) its elementwise ops fuse and the graph is built once: fewer
 kernels and less Python per step. The layer's inputs are its hidden state and its cache's [conv, recurrent] state;
 its weights are constants of the graph (inference never changes them). The arithmetic is mlx-lm's
-``DecoderLayer.__call__`` as ``add_norm.layer_call`` runs it (the residual add and the post-attention norm in one
-kernel where that is on), the same ops in the same order: outputs are bitwise those of the uncompiled layer on the
-CPU (tests/test_compiled_decode.py).
+``DecoderLayer.__call__`` (``layer_call``), the same ops in the same order: outputs are bitwise those of the uncompiled
+layer on the CPU (tests/test_compiled_decode.py).
 
 The MTP verify's layer (backbone.backbone_forward with capture: the recurrent state after each position kept) runs
 compiled the same way, one graph per layer and recurrence (``verify_step``). A mask, a cache with per-row
-``lengths`` (mlx-lm's batch prefill) or a prompt chunk run mlx-lm's own call. The attention layers, whose attention
-writes the KV cache in place, run their tail compiled (``CompiledAttentionLayer``: the residual, the post-attention
-norm and the MLP or MoE block, for calls of a few tokens a row).
+``lengths`` (mlx-lm's batch prefill) or a prompt chunk run mlx-lm's own call.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 
 from ..mlx_lm_internals import ArraysCache, DecoderLayer
-from .add_norm import AddNormDecoderLayer, layer_call, layer_tail
 from .retype import retype
 
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
@@ -34,6 +30,22 @@ Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.arr
 # the state after each position): backbone._layer_core with capture
 Core = Callable[[Any, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, list[mx.array]]]
 VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, list[mx.array]]]
+
+
+def layer_tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
+    """What follows a decoder layer's mixer (its output ``r``, its input ``x``): the residual, the post-attention norm,
+    the MLP, the residual; mlx-lm's ``DecoderLayer.__call__`` from its residual on."""
+    h = x + r
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def layer_call(layer: DecoderLayer, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+    """mlx-lm's ``DecoderLayer.__call__``: the same ops in the same order (the compiled steps trace it)."""
+    if layer.is_linear:
+        r = layer.linear_attn(layer.input_layernorm(x), mask, cache)
+    else:
+        r = layer.self_attn(layer.input_layernorm(x), mask, cache)
+    return layer_tail(layer, x, r)
 
 
 def _layer_step(layer: DecoderLayer, x: mx.array, conv_state: mx.array, state: mx.array) -> tuple[mx.array, ...]:
@@ -49,18 +61,13 @@ def _verify_layer(layer: DecoderLayer, core: Core, h: mx.array, conv_state: mx.a
     return layer_tail(layer, h, r), conv_input, final, states
 
 
-# The attention layers' tail runs compiled for calls of at most this many tokens a row: decode steps and MTP verifies
-# (a prompt's chunks would trace a graph per chunk length).
-TAIL_TOKENS = 8
-
-
 def plain_cache(cache: Any) -> bool:
     """A gated-delta cache holding state, without per-row lengths or padding: what the compiled steps take."""
     return (isinstance(cache, ArraysCache) and cache[0] is not None and cache[1] is not None and cache.lengths is None
             and cache.left_padding is None)
 
 
-class CompiledDecoderLayer(AddNormDecoderLayer):
+class CompiledDecoderLayer(DecoderLayer):
     """mlx-lm's gated-delta decoder layer whose one-token step runs compiled; the class the text model's gated-delta
     layers take (swaps.py)."""
 
@@ -88,35 +95,14 @@ class CompiledDecoderLayer(AddNormDecoderLayer):
         return step(h, conv_state, state)
 
 
-class CompiledAttentionLayer(AddNormDecoderLayer):
-    """mlx-lm's attention decoder layer whose tail (the residual, the post-attention norm, the MLP or MoE block, the
-    residual) runs compiled for a step of a few tokens a row; its attention, which writes the KV cache, runs as
-    mlx-lm's. The class the text model's attention layers take where the compiled step runs (swaps.py)."""
-
-    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        if x.shape[1] > TAIL_TOKENS or self.training:
-            return super().__call__(x, mask, cache)
-        r = self.self_attn(self.input_layernorm(x), mask, cache)
-        tail = self.__dict__.get("_tail")
-        if tail is None:
-            tail = mx.compile(functools.partial(layer_tail, self))
-            object.__setattr__(self, "_tail", tail)  # not a module attribute: nn.Module would list it
-        return tail(x, r)
-
-
 def retrace(layers: Any) -> None:
     """Drop the one-token steps and verify steps these layers traced: their next call traces again (a switch a traced
     graph baked in, such as causal_conv.conv_step_devices or a fused projection, then takes effect)."""
     for layer in layers:
-        for traced in ("_step", "_verify_steps", "_tail"):
+        for traced in ("_step", "_verify_steps"):
             layer.__dict__.pop(traced, None)
 
 
 def use_compiled_decode(model: Any) -> int:
     """Give the text model's gated-delta decoder layers the compiled one-token step; how many changed."""
     return retype(model.model.layers, DecoderLayer, CompiledDecoderLayer, lambda layer: layer.is_linear)
-
-
-def use_compiled_tail(model: Any) -> int:
-    """Give the text model's attention decoder layers the compiled tail; how many changed."""
-    return retype(model.model.layers, DecoderLayer, CompiledAttentionLayer, lambda layer: not layer.is_linear)

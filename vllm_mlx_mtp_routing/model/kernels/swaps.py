@@ -16,11 +16,6 @@ package runs a kernel of its own, a module's class is swapped for a subclass tha
   separate projections until measured there.
 - ``DecoderLayer`` (gated-delta) -> ``compiled_decode.CompiledDecoderLayer``: the one-token step as one compiled graph.
   CPU and CUDA, where it was measured (``compiled_decode_devices``); Metal keeps mlx-lm's until measured there.
-- ``DecoderLayer`` (attention) -> ``compiled_decode.CompiledAttentionLayer``: the residual, the post-attention norm and
-  the MLP or MoE block of a few-token step as one compiled graph. Where measured (``compiled_tail_devices``): nowhere yet.
-- ``DecoderLayer`` (the rest) -> ``add_norm.AddNormDecoderLayer``: the residual add and the post-attention norm in one
-  kernel (the compiled gated-delta layers run the same call). CUDA only; the kernel runs where it was measured
-  (``add_norm.add_norm_devices``).
 - mlx-lm's ``SwitchGLU`` -> ``moe_dispatch.DispatchedSwitchGLU``: the MoE switch sorts a call's pairs or not by the call's
   size as measured on the loaded model (``moe_dispatch.measure``, which ``build_text_model`` runs). Every device.
 ``apply`` makes them on a built text model and its MTP head; a SpecPrefill draft gets the recurrence only.
@@ -33,9 +28,8 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from ..backbone import FusedGatedDeltaNet
-from ..mlx_lm_internals import MLP, Attention, DecoderLayer, GatedDeltaNet, SparseMoeBlock
-from .add_norm import AddNormDecoderLayer
-from .compiled_decode import use_compiled_decode, use_compiled_tail
+from ..mlx_lm_internals import MLP, Attention, GatedDeltaNet, SparseMoeBlock
+from .compiled_decode import use_compiled_decode
 from .cpu_experts import use_float32_experts
 from .device import kind, on_cuda
 from .fused_projections import (
@@ -65,8 +59,6 @@ class Swapped:
     compiled_decode: int = 0
     moe_switches: int = 0
     fused_projections: int = 0  # arrays now views of a fused projection's
-    add_norm_layers: int = 0
-    compiled_tails: int = 0
 
 
 # Projections of one input run as one: the gated-delta layers' inputs (their call is the engine's gated_delta_layer),
@@ -88,8 +80,6 @@ fused_projection_devices = {"cpu", "cuda"}
 
 # Where the gated-delta layers' one-token step runs compiled: where it was measured to take less CPU per step.
 compiled_decode_devices = {"cpu", "cuda"}
-# Where the attention layers' tail runs compiled: nowhere until measured (the CPU: neutral; a GPU: not yet run).
-compiled_tail_devices: set[str] = set()
 
 
 def use_fused_recurrence(model: nn.Module) -> int:
@@ -110,14 +100,6 @@ def use_skinny_matmul(module: nn.Module) -> int:
     return retype(modules_of(module), nn.Linear, SkinnyLinear)
 
 
-def use_add_norm_layers(model: nn.Module) -> int:
-    """On MLX's CUDA backend, give the text model's decoder layers that are still mlx-lm's the add-norm call (its
-    kernel runs where ``add_norm.add_norm_devices`` says; else the call is mlx-lm's arithmetic); how many changed."""
-    if not on_cuda():
-        return 0
-    return retype(model.model.layers, DecoderLayer, AddNormDecoderLayer)
-
-
 def use_grouped_attention(model: nn.Module) -> int:
     """Give every mlx-lm attention layer under ``model`` the grouped call; how many changed."""
     return retype(modules_of(model), Attention, GroupedAttention)
@@ -131,11 +113,8 @@ def apply(model: nn.Module, head: nn.Module | None, shares: nn.Module | None = N
     skinny = use_skinny_matmul(model.model) + (use_skinny_matmul(head) if head is not None else 0)
     experts = use_float32_experts(model) + (use_float32_experts(head) if head is not None else 0)
     compiled = use_compiled_decode(model) if kind() in compiled_decode_devices else 0
-    tails = use_compiled_tail(model) if kind() in compiled_tail_devices else 0
-    add_norm_layers = use_add_norm_layers(model)  # after the compiled step's: those layers already take the call
     switches = use_dispatched_switch(model) + (use_dispatched_switch(head) if head is not None else 0)
     # last: a fused module is a copy of its first part, which by now has the class this device gives it
     fused_arrays = use_fused_projections(model, FUSIONS, shares) if kind() in fused_projection_devices else 0
     return Swapped(fused_recurrence=fused, grouped_attention=grouped, skinny_matmul=skinny, float32_experts=experts,
-                   compiled_decode=compiled, moe_switches=switches, fused_projections=fused_arrays,
-                   add_norm_layers=add_norm_layers, compiled_tails=tails)
+                   compiled_decode=compiled, moe_switches=switches, fused_projections=fused_arrays)
