@@ -106,6 +106,7 @@ def test_one_info_line_and_no_warning(tiny_vlm_factory, caplog):
     ours = [r.getMessage() for r in caplog.records if r.name == "vllm_mlx_mtp_routing.model.text_model"]
     assert len(ours) == 1
     assert ours[0].startswith(f"TextModel built zero-copy from {path.name}: shared 56 arrays, MTP head +")
+    assert "projections of one input fused (" in ours[0]  # the CPU fuses them (swaps.fused_projection_devices)
 
 
 def test_mtp_can_be_disabled(tiny_vlm_factory):

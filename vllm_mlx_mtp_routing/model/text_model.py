@@ -423,18 +423,20 @@ def build_text_model(
     mtp_bytes = sum(v.nbytes for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(head.parameters()))) if head else 0
 
     name = model_path.name or str(model_path)
+    # one line per build: what the fused projections made is part of it (their arrays are views, no new memory)
+    fused = f"; projections of one input fused ({swapped.fused_projections} arrays are views)" if swapped.fused_projections else ""
     if head is not None:
         assert loaded is not None  # a head is built from loaded weights
         logger.info(
             "TextModel built zero-copy from %s: shared %d arrays, MTP head +%.1f MiB "
-            "(%d layer(s) from %s, RMSNorm %s: %s)",
+            "(%d layer(s) from %s, RMSNorm %s: %s)%s",
             name, shared, extra / 2**20, len(head.layers), loaded.source,
-            "+1 applied" if loaded.norms_shifted else "kept", loaded.norm_rule,
+            "+1 applied" if loaded.norms_shifted else "kept", loaded.norm_rule, fused,
         )
     else:
         logger.info(
-            "TextModel built zero-copy from %s: shared %d arrays, no MTP head (%s), +%.1f MiB",
-            name, shared, reason, extra / 2**20,
+            "TextModel built zero-copy from %s: shared %d arrays, no MTP head (%s), +%.1f MiB%s",
+            name, shared, reason, extra / 2**20, fused,
         )
     return TextModelBundle(
         model=model,
