@@ -185,6 +185,22 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
         assert "plain_device_busy_ms" not in mtp
 
 
+def test_vision_stall_smoke(tmp_path: Path) -> None:
+    """The vision-stall benchmark on a 3-block tower: its rounds alternate between the tower in pieces of blocks while
+    streams decode and the tower in one call (no timing asserted)."""
+    import vision_stall as VS
+
+    out = tmp_path / "vision_stall.json"
+    assert VS.main(["--model", str(tmp_path / "vlm"), "--depth", "3", "--vision-hidden", "64", "--streams", "1",
+                    "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["vision_blocks"] == 3
+    pieced, whole = res["rounds"]
+    assert pieced["pieces"] and not whole["pieces"] and whole["vision_pieces"] == 0
+    assert 2 <= pieced["vision_pieces"] <= 3  # the first piece one block (it measures them), then as many as fit
+    assert all(r["image_ttft_s"] > 0 and r["steps"] >= 1 for r in res["rounds"])
+
+
 def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """lib/device_busy.py over a stand-in for cupti-python: records outside a window are dropped, overlapping work
     counts once, work crossing the window's edges counts inside it only, and kernels are counted, by name too."""

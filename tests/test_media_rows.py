@@ -24,6 +24,7 @@ from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler
 from vllm_mlx_mtp_routing.text_engine.spec.mtp import MTPDecode
 from vllm_mlx_mtp_routing.text_engine.state import TextOutput, TextRequest
+from vllm_mlx_mtp_routing.text_engine.step_plan import MediaEncode
 
 PREFILL = 16  # small: image prompts span several chunks, some cut inside an image
 
@@ -217,6 +218,37 @@ def test_image_chunks_in_pieces_of_layers_equal_alone(vl):
     sched.runner.prefill = lambda work: (pieces.extend(w for w in work if getattr(w, "whole", True) is False), real(work))[1]
     batched = run(sched, [(0, text, 30), (1, red, 8)])
     assert pieces and batched[1] == alone(vl, red, 8) and batched[0] == alone(vl, text, 30)
+
+
+def test_the_vision_tower_in_pieces_of_blocks_gives_the_features_one_call_gives(vl):
+    _, _, _, vision = vl
+    media = prepare(vl, chat([data_url((30, 160, 90))])).media
+    s, e = media.patch_rows(0)
+    whole = vision.encode(media.pixel_values[s:e], media.grid_thw[0])
+    assert vision.blocks >= 2
+    progress = vision.begin_encode(media.pixel_values[s:e], media.grid_thw[0])
+    mx.eval(progress.hidden)
+    with pytest.raises(RuntimeError):
+        vision.finish_encode(progress)  # no block has run
+    while progress.next_block < vision.blocks:  # a block a step, each evaluated on its own
+        vision.run_blocks(progress, progress.next_block + 1)
+        mx.eval(progress.hidden)
+    assert mx.array_equal(vision.finish_encode(progress), whole).item()
+
+
+def test_an_image_encoded_in_pieces_beside_decoding_rows_equals_alone(vl):
+    red = prepare(vl, chat([data_url((220, 20, 20))], "Describe it."))
+    text = [int(t) for t in mx.random.randint(10, 3000, (9,), key=mx.random.key(7)).tolist()]
+    sched = scheduler(vl, max_num_seqs=2)
+    sched.prefill_time_s = (1e-9, 0.25)  # a stall bound no block fits: one block a step while the text row decodes
+    encodes, real = [], sched.runner.prefill
+    sched.runner.prefill = lambda work: (encodes.extend(w for w in work if isinstance(w, MediaEncode)), real(work))[1]
+    batched = run(sched, [(0, text, 24), (1, red, 8)])
+    blocks = sched.runner.vision_blocks
+    assert [(w.first_block, w.last_block) for w in encodes] == [(b, b + 1) for b in range(blocks - 1)] + [(blocks - 1, None)]
+    assert sched.stats()["vision_pieces"] == blocks and sched.stats()["images_encoded"] == 1
+    assert batched[1] == alone(vl, red, 8) and batched[0] == alone(vl, text, 24)
+    assert not red.media.encoding  # nothing held once the image is encoded
 
 
 def test_a_resent_image_is_taken_from_the_memo_as_the_processor_made_it(vl):

@@ -14,9 +14,21 @@ with one position per token, shifted by the prompt's M-RoPE delta (text tokens a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+
+@dataclass
+class VisionProgress:
+    """An image's vision tower run in pieces of its blocks: the hidden states after ``next_block`` blocks, and what
+    every block reads (its rotary embedding, the image's sequence bounds)."""
+
+    hidden: mx.array
+    rotary: mx.array
+    cu_seqlens: mx.array
+    next_block: int = 0
 
 
 def rotaries_of(vlm_language_model: Any) -> list[Any]:
@@ -43,6 +55,41 @@ class VisionParts:
         pixels = pixel_values.astype(tower.patch_embed.proj.weight.dtype)
         features, _ = tower(pixels, mx.array([list(grid_thw)], dtype=mx.int32))
         return features
+
+    @property
+    def blocks(self) -> int:
+        """The vision tower's blocks where it can run in pieces of them (``begin_encode``), else 0."""
+        tower = self.vlm.vision_tower
+        staged = all(hasattr(tower, a) for a in ("patch_embed", "fast_pos_embed_interpolate", "rot_pos_emb", "merger"))
+        return len(tower.blocks) if staged and not getattr(tower, "deepstack_visual_indexes", None) else 0
+
+    # mlx-vlm 0.7.10's qwen3_vl ``VisionModel.__call__`` (Qwen3.5's tower) in stages, op for op, so that an image
+    # encoded in pieces of blocks, each evaluated in its own engine step, has the features one call gives.
+    def begin_encode(self, pixel_values: mx.array, grid_thw: tuple[int, int, int]) -> VisionProgress:
+        """The tower's input stage for one image: patches embedded, positions added; no block run yet."""
+        tower = self.vlm.vision_tower
+        grid = mx.array([list(grid_thw)], dtype=mx.int32)
+        hidden = tower.patch_embed(pixel_values.astype(tower.patch_embed.proj.weight.dtype))
+        hidden = hidden + tower.fast_pos_embed_interpolate(grid)
+        rotary = tower.rot_pos_emb(grid)
+        n = hidden.shape[0]
+        t, h, w = grid_thw
+        cu_seqlens = mx.cumsum(mx.repeat(grid[0, 1] * grid[0, 2], int(t)).astype(mx.int32), axis=0)
+        cu_seqlens = mx.pad(cu_seqlens, (1, 0), mode="constant", constant_values=0)
+        return VisionProgress(hidden.reshape(n, -1), rotary.reshape(n, -1), cu_seqlens)
+
+    def run_blocks(self, progress: VisionProgress, stop: int) -> None:
+        """The tower's blocks from ``progress.next_block`` up to ``stop`` (lazy)."""
+        blocks = self.vlm.vision_tower.blocks
+        for i in range(progress.next_block, min(stop, len(blocks))):
+            progress.hidden = blocks[i](progress.hidden, cu_seqlens=progress.cu_seqlens, rotary_pos_emb=progress.rotary)
+        progress.next_block = max(progress.next_block, min(stop, len(blocks)))
+
+    def finish_encode(self, progress: VisionProgress) -> mx.array:
+        """The image's token embeddings once every block ran: the patch merger's output, [tokens, hidden]."""
+        if progress.next_block < len(self.vlm.vision_tower.blocks):
+            raise RuntimeError(f"the vision tower's block {progress.next_block} has not run")
+        return self.vlm.vision_tower.merger(progress.hidden)
 
     def positions(self, prompt_ids: Sequence[int], grid_thw: Sequence[tuple[int, int, int]]) -> tuple[mx.array, int]:
         """The prompt's M-RoPE positions [3, 1, L] and its decode delta, as the VLM computes them."""

@@ -224,18 +224,42 @@ class ModelRunner:
             state.partial = None
 
     def _encode(self, item: MediaEncode) -> int:
-        """The vision tower over one image of a media row; its features wait for the chunks that cover its tokens."""
+        """The vision tower over one image of a media row, whole or a piece of its blocks; once it is done, its features
+        wait for the chunks that cover its tokens."""
         media = item.row.req.media
-        if media is None or self.vision is None:
+        vision = self.vision
+        if media is None or vision is None:
             raise RuntimeError("a media item for a row without media, or a runner without the vision tower")
         s, e = media.patch_rows(item.image)
-        features = self.vision.encode(media.pixel_values[s:e], media.grid_thw[item.image])
+        if item.whole:
+            features = vision.encode(media.pixel_values[s:e], media.grid_thw[item.image])
+        else:
+            progress = media.encoding.get(item.image)
+            if progress is None:
+                if item.first_block != 0:
+                    raise RuntimeError(f"a piece from block {item.first_block}, but image {item.image}'s encode has not begun")
+                progress = vision.begin_encode(media.pixel_values[s:e], media.grid_thw[item.image])
+            elif progress.next_block != item.first_block:
+                raise RuntimeError(f"a piece from block {item.first_block}, but image {item.image}'s encode is at block "
+                                   f"{progress.next_block}")
+            vision.run_blocks(progress, item.blocks if item.last_block is None else item.last_block)
+            if not item.completes:
+                media.encoding[item.image] = progress
+                mx.eval(progress.hidden)
+                return item.tokens
+            media.encoding.pop(item.image, None)
+            features = vision.finish_encode(progress)
         start, end = media.spans[item.image]
         if features.shape[0] != end - start:
             raise ValueError(f"image {item.image} gives {features.shape[0]} features for {end - start} prompt tokens")
         mx.eval(features)
         media.features[item.image] = features
         return item.tokens
+
+    @property
+    def vision_blocks(self) -> int:
+        """The vision tower's blocks where an image may be encoded in pieces of them, else 0."""
+        return self.vision.blocks if self.vision is not None else 0
 
     def _positions(self, prompt_ids: list[int], media: MediaInput) -> None:
         if self.vision is None:

@@ -58,7 +58,7 @@ from .prefill_budget import ChunkGrid
 from .row import Row
 from .runner import ModelRunner
 from .spec.mtp import MTPDecode
-from .state import PrefillState, TextOutput, TextRequest
+from .state import MediaInput, PrefillState, TextOutput, TextRequest
 from .step_plan import DecodePlan, DecodeResult, MediaEncode, PrefillChunk, PrefillWork, SparsePiece
 from .step_profile import StepProfile, StepRecord
 
@@ -118,6 +118,7 @@ class BatchScheduler:
         self.runner = ModelRunner(model, decode, vision)
         self.media_rows = 0  # media requests that joined the batch
         self.images_encoded = 0
+        self.vision_pieces = 0  # vision-tower items that ran part of an image's blocks (while rows decoded)
         self.waiting: deque[Row] = deque()
         self.prefilling: list[Row] = []
         self.steps = 0
@@ -248,6 +249,9 @@ class BatchScheduler:
                     record.chunk(ran.tokens, ran.seconds)
                     if isinstance(work, PrefillChunk) and not work.whole and self.layer_pieces is not None:
                         self._note_piece(work, ran.seconds)
+                    elif isinstance(work, MediaEncode) and not work.whole and work.row.req.media is not None:
+                        stop = work.blocks if work.last_block is None else work.last_block
+                        work.row.req.media.block_s[work.image] = ran.seconds / max(stop - work.first_block, 1)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
                 logger.exception("prefill failed for %s", row.rid)
@@ -286,9 +290,23 @@ class BatchScheduler:
         media = row.req.media
         image = media.unencoded(start, end) if media is not None else None
         if media is not None and image is not None:  # its vision features first, one image per item
-            s, e = media.spans[image]
-            return MediaEncode(row, image, e - s)
+            return self._encode_piece(row, media, image)
         return self._piece(row, start, end, 0)
+
+    def _encode_piece(self, row: Row, media: MediaInput, image: int) -> MediaEncode:
+        """While rows decode, as many of the image's vision blocks as the step's stall bound allows (the first piece
+        one block, which measures them); otherwise the rest of its encode, or all of it."""
+        s, e = media.spans[image]
+        blocks = self.runner.vision_blocks
+        progress = media.encoding.get(image)
+        first = progress.next_block if progress is not None else 0
+        limit = self.prefill_time_s[0] * self.decode_step_s if self.prefill_time_s is not None else 0.0
+        if blocks < 2 or not self.running or limit <= 0:
+            return MediaEncode(row, image, e - s, first, None, max(blocks, 1))
+        per_block = media.block_s.get(image)
+        n = 1 if per_block is None else max(1, int(limit / per_block))
+        last = None if first + n >= blocks else first + n
+        return MediaEncode(row, image, e - s, first, last, blocks)
 
     def _piece(self, row: Row, start: int, end: int, first: int) -> PrefillChunk:
         """While rows decode, as many of the chunk's layers as its stall bound allows; otherwise the rest of it."""
@@ -324,7 +342,8 @@ class BatchScheduler:
 
     def _after_work(self, work: PrefillWork) -> None:
         if isinstance(work, MediaEncode):
-            self.images_encoded += 1
+            self.images_encoded += work.completes
+            self.vision_pieces += not work.whole
         elif isinstance(work, PrefillChunk) and work.completes:
             self.prompt_tokens += work.positions
             if work.row.plan is not None:  # a snapshot where the plan wants one (the prompt's end: after delivery)
@@ -464,6 +483,7 @@ class BatchScheduler:
             "shared_prefill_rows": self.shared_prefill_rows,
             "media_rows": self.media_rows,
             "images_encoded": self.images_encoded,
+            "vision_pieces": self.vision_pieces,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "slowest_steps": self.profile.slowest(),

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from ..model.layered_forward import LayerProgress
+from ..model.media_forward import VisionProgress
 from ..model.mlx_lm_internals import KVCache
 from .logprobs import TokenLogprob
 from .sampling import SamplingOptions
@@ -107,6 +108,10 @@ class MediaInput:
     spans: list[tuple[int, int]]
     digests: list[bytes]
     features: dict[int, mx.array] = field(default_factory=dict)  # image index -> its tokens' embeddings
+    # image index -> its vision tower under way in pieces of blocks (media_forward.VisionProgress), and the seconds
+    # a block of it took (the next piece's size)
+    encoding: dict[int, VisionProgress] = field(default_factory=dict)
+    block_s: dict[int, float] = field(default_factory=dict)
     position_ids: mx.array | None = None  # [3, 1, len(prompt)]
     rope_delta: int = 0  # decode positions past the prompt run this far from the token count
 

@@ -62,11 +62,32 @@ class SparsePiece:
 
 @dataclass(frozen=True)
 class MediaEncode:
-    """The vision tower over one image of a media row: the embeddings its prompt tokens take (state.MediaInput)."""
+    """The vision tower over one image of a media row: the embeddings its prompt tokens take (state.MediaInput); its
+    blocks ``first_block`` up to ``last_block`` (None: to the last, then its merger), the rest in later items."""
 
     row: Row
     image: int
-    tokens: int  # its projected cost in prompt tokens: the image's tokens
+    image_tokens: int  # the image's tokens in the prompt
+    first_block: int = 0
+    last_block: int | None = None
+    blocks: int = 1  # the tower's blocks (only read when the item runs part of them)
+
+    @property
+    def whole(self) -> bool:
+        return self.first_block == 0 and self.last_block is None
+
+    @property
+    def completes(self) -> bool:
+        """Does this item end the image's encode (its features made)?"""
+        return self.last_block is None or self.last_block >= self.blocks
+
+    @property
+    def tokens(self) -> int:
+        """Its projected cost in prompt tokens: the image's, or its blocks' share of them."""
+        if self.whole:
+            return self.image_tokens
+        stop = self.blocks if self.last_block is None else self.last_block
+        return max(1, -(-self.image_tokens * (stop - self.first_block) // self.blocks))
 
 
 
