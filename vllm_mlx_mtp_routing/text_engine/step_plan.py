@@ -16,6 +16,15 @@ from .row import Row
 from .state import SparseJobView
 
 
+def share(tokens: int, first: int, last: int | None, stages: int) -> int:
+    """An item's cost in prompt tokens when it runs stages ``first`` up to ``last`` (None: to the end) of ``stages``:
+    its share of ``tokens``, at least one."""
+    if first == 0 and last is None:
+        return tokens
+    stop = stages if last is None else last
+    return max(1, -(-tokens * (stop - first) // stages))
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """A dense forward of ``prompt[start:end]`` of one row, on its own single-sequence caches: its decoder layers
@@ -44,10 +53,7 @@ class PrefillChunk:
     @property
     def tokens(self) -> int:
         """Its cost in prompt tokens: the chunk's, or its layers' share of it."""
-        if self.whole:
-            return self.positions
-        stop = self.layers if self.last_layer is None else self.last_layer
-        return max(1, -(-self.positions * (stop - self.first_layer) // self.layers))
+        return share(self.positions, self.first_layer, self.last_layer, self.layers)
 
 
 @dataclass(frozen=True)
@@ -84,10 +90,7 @@ class MediaEncode:
     @property
     def tokens(self) -> int:
         """Its projected cost in prompt tokens: the image's, or its blocks' share of them."""
-        if self.whole:
-            return self.image_tokens
-        stop = self.blocks if self.last_block is None else self.last_block
-        return max(1, -(-self.image_tokens * (stop - self.first_block) // self.blocks))
+        return share(self.image_tokens, self.first_block, self.last_block, self.blocks)
 
 
 
