@@ -197,7 +197,8 @@ def test_vision_stall_smoke(tmp_path: Path) -> None:
     assert res["vision_blocks"] == 3
     pieced, whole = res["rounds"]
     assert pieced["pieces"] and not whole["pieces"] and whole["vision_pieces"] == 0
-    assert 2 <= pieced["vision_pieces"] <= 3  # the first piece one block (it measures them), then as many as fit
+    # the input stage, one block (it measures them), then as many as fit a step
+    assert 3 <= pieced["vision_pieces"] <= 4
     assert all(r["image_ttft_s"] > 0 and r["steps"] >= 1 for r in res["rounds"])
 
 

@@ -245,8 +245,10 @@ def test_an_image_encoded_in_pieces_beside_decoding_rows_equals_alone(vl):
     sched.runner.prefill = lambda work: (encodes.extend(w for w in work if isinstance(w, MediaEncode)), real(work))[1]
     batched = run(sched, [(0, text, 24), (1, red, 8)])
     blocks = sched.runner.vision_blocks
-    assert [(w.first_block, w.last_block) for w in encodes] == [(b, b + 1) for b in range(blocks - 1)] + [(blocks - 1, None)]
-    assert sched.stats()["vision_pieces"] == blocks and sched.stats()["images_encoded"] == 1
+    # the input stage, then a block a step
+    assert [(w.first_block, w.last_block) for w in encodes] == [(0, 0)] + [(b, b + 1) for b in range(blocks - 1)] + [
+        (blocks - 1, None)]
+    assert sched.stats()["vision_pieces"] == blocks + 1 and sched.stats()["images_encoded"] == 1
     assert batched[1] == alone(vl, red, 8) and batched[0] == alone(vl, text, 24)
     assert not red.media.encoding  # nothing held once the image is encoded
 

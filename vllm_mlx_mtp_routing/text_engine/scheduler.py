@@ -251,7 +251,8 @@ class BatchScheduler:
                         self._note_piece(work, ran.seconds)
                     elif isinstance(work, MediaEncode) and not work.whole and work.row.req.media is not None:
                         stop = work.blocks if work.last_block is None else work.last_block
-                        work.row.req.media.block_s[work.image] = ran.seconds / max(stop - work.first_block, 1)
+                        if stop > work.first_block:
+                            work.row.req.media.block_s[work.image] = ran.seconds / (stop - work.first_block)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
                 logger.exception("prefill failed for %s", row.rid)
@@ -294,8 +295,9 @@ class BatchScheduler:
         return self._piece(row, start, end, 0)
 
     def _encode_piece(self, row: Row, media: MediaInput, image: int) -> MediaEncode:
-        """While rows decode, as many of the image's vision blocks as the step's stall bound allows (the first piece
-        one block, which measures them); otherwise the rest of its encode, or all of it."""
+        """While rows decode, the image's vision tower a piece per step: its input stage, then as many blocks as the
+        step's stall bound allows (the first piece one block, which measures them); otherwise the rest of its encode,
+        or all of it."""
         s, e = media.spans[image]
         blocks = self.runner.vision_blocks
         progress = media.encoding.get(image)
@@ -303,6 +305,8 @@ class BatchScheduler:
         limit = self.prefill_time_s[0] * self.decode_step_s if self.prefill_time_s is not None else 0.0
         if blocks < 2 or not self.running or limit <= 0:
             return MediaEncode(row, image, e - s, first, None, max(blocks, 1))
+        if progress is None:  # the patches embedded and positioned, no block yet
+            return MediaEncode(row, image, e - s, 0, 0, blocks)
         per_block = media.block_s.get(image)
         n = 1 if per_block is None else max(1, int(limit / per_block))
         last = None if first + n >= blocks else first + n
