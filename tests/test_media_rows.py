@@ -253,6 +253,18 @@ def test_an_image_encoded_in_pieces_beside_decoding_rows_equals_alone(vl):
     assert not red.media.encoding  # nothing held once the image is encoded
 
 
+def test_an_encode_begun_in_pieces_finishes_when_the_streams_are_gone(vl):
+    red = prepare(vl, chat([data_url((220, 20, 20))], "Describe it."))
+    text = [int(t) for t in mx.random.randint(10, 3000, (9,), key=mx.random.key(8)).tolist()]
+    sched = scheduler(vl, max_num_seqs=2)
+    sched.prefill_time_s = (1e-9, 0.25)
+    encodes, real = [], sched.runner.prefill
+    sched.runner.prefill = lambda work: (encodes.extend(w for w in work if isinstance(w, MediaEncode)), real(work))[1]
+    batched = run(sched, [(0, text, 2), (1, red, 8)])  # the text row leaves right after the image's input stage
+    assert [(w.first_block, w.last_block) for w in encodes] == [(0, 0), (0, None)]  # then the rest in one item
+    assert batched[1] == alone(vl, red, 8) and not red.media.encoding
+
+
 def test_a_resent_image_is_taken_from_the_memo_as_the_processor_made_it(vl):
     """A later turn that resends its image (a data: URL) skips the image's decode and processor: its prompt, pixels,
     grid, pixel digest and snapshot positions equal a fresh preparation's, and its greedy output too; another image

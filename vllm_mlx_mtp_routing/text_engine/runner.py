@@ -231,10 +231,10 @@ class ModelRunner:
         if media is None or vision is None:
             raise RuntimeError("a media item for a row without media, or a runner without the vision tower")
         s, e = media.patch_rows(item.image)
-        if item.whole:
+        progress = media.encoding.pop(item.image, None)  # an encode under way goes on (its input stage may be all)
+        if progress is None and item.whole:
             features = vision.encode(media.pixel_values[s:e], media.grid_thw[item.image])
         else:
-            progress = media.encoding.get(item.image)
             if progress is None:
                 if item.first_block != 0:
                     raise RuntimeError(f"a piece from block {item.first_block}, but image {item.image}'s encode has not begun")
@@ -247,7 +247,6 @@ class ModelRunner:
                 media.encoding[item.image] = progress
                 mx.eval(progress.hidden)
                 return item.tokens
-            media.encoding.pop(item.image, None)
             features = vision.finish_encode(progress)
         start, end = media.spans[item.image]
         if features.shape[0] != end - start:
