@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-
 from lib.provenance import commit, device_line  # noqa: E402
 from mixed_load import image_url  # noqa: E402
+
 from vllm_mlx_mtp_routing.model.media_forward import VisionParts  # noqa: E402
 from vllm_mlx_mtp_routing.model.text_model import build_text_model  # noqa: E402
 from vllm_mlx_mtp_routing.routing.media_prompt import prepare_media_chat  # noqa: E402
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                                   positions=False)
 
     def one_round(r: int, pieces: bool) -> dict:
-        type(sched.runner).vision_blocks = property(lambda self: blocks if pieces else 0)  # type: ignore[method-assign]
+        sched.runner.vision_in_pieces = pieces
         for i in range(a.streams):
             sched.add(TextRequest(f"t{r}-{i}", [100 + (7 * k + i + r) % 900 for k in range(24)], SamplingOptions(max_tokens=1 << 20)))
         while len(sched.running) < a.streams:

@@ -155,6 +155,7 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.vision = vision  # media rows' vision tower and positions (None: text rows only)
+        self.vision_in_pieces = True  # while rows decode, an image's tower a piece of its blocks per step (A/B: False)
         self.batch = DecodeBatch(model, head_layers=spec.head_layers if spec is not None else 0)
         self._launched: _Launched | None = None  # the plain step decode_ahead launched last
         # With launch_early, the verify's layers also start every this many layers while the rest of its graph is built
@@ -258,7 +259,7 @@ class ModelRunner:
     @property
     def vision_blocks(self) -> int:
         """The vision tower's blocks where an image may be encoded in pieces of them, else 0."""
-        return self.vision.blocks if self.vision is not None else 0
+        return self.vision.blocks if self.vision is not None and self.vision_in_pieces else 0
 
     def _positions(self, prompt_ids: list[int], media: MediaInput) -> None:
         if self.vision is None:
