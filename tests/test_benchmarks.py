@@ -200,6 +200,7 @@ def test_vision_stall_smoke(tmp_path: Path) -> None:
     # the input stage, one block (it measures them), then as many as fit a step
     assert 3 <= pieced["vision_pieces"] <= 4
     assert all(r["image_ttft_s"] > 0 and r["steps"] >= 1 for r in res["rounds"])
+    assert res["tokens_equal"] and pieced["image_first_token"] == whole["image_first_token"]
 
 
 def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.MonkeyPatch) -> None:
