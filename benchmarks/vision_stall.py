@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vision-hidden", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--max-pixels", type=int, default=0, help="the processor's pixel cap (0: the model's own; the tiny "
+                    "VLM's is 65,536, 256 patches)")
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6, help="rounds in all, the two ways alternated")
     ap.add_argument("--out", type=Path)
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     path = build(a.model or Path(tempfile.gettempdir()) / f"vision-stall-vlm-{a.depth}x{a.vision_hidden}-{a.dtype}",
                  a.depth, a.vision_hidden, a.dtype)
     vlm, processor = load(str(path))
+    if a.max_pixels:
+        processor.image_processor.max_pixels = a.max_pixels
     config = json.loads((path / "config.json").read_text())
     bundle = build_text_model(vlm, path, config, enable_mtp=False)
     vision = VisionParts(vlm, config)
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_step_s": sched.decode_step_s, "vision_pieces": sched.vision_pieces - pieces_before,
                 "image_first_token": token}
 
+    image_tokens = len(image_prompt(0).media.spans) and (lambda sp: sp[1] - sp[0])(image_prompt(0).media.spans[0])
     one_round(-1, True)  # warm-up: every shape compiled once
     one_round(-2, False)
     rounds = [one_round(r, r % 2 == 0) for r in range(a.rounds)]
@@ -124,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x[key] for x in rounds if x["pieces"] is pieces)
 
     report = {"commit": commit(), "device": device_line(), "model": str(path), "vision_blocks": blocks,
-              "streams": a.streams, "image_size": a.image_size, "rounds": rounds,
+              "streams": a.streams, "image_size": a.image_size, "image_tokens": image_tokens, "rounds": rounds,
               "summary": {way: {k: med(k, way == "pieces") for k in ("max_gap_s", "image_ttft_s", "decode_step_s")}
                           for way in ("pieces", "whole")},
               # greedy, the same image: the features in pieces are one call's, so its first token is too
               "tokens_equal": len({x["image_first_token"] for x in rounds}) == 1}
     s = report["summary"]
-    print(f"vision tower of {blocks} blocks, {a.streams} streams decoding, medians of {a.rounds // 2} rounds each:")
+    print(f"vision tower of {blocks} blocks, an image of {image_tokens} tokens, {a.streams} streams decoding, "
+          f"medians of {a.rounds // 2} rounds each:")
     for way in ("pieces", "whole"):
         print(f"  {way:<7} worst gap {s[way]['max_gap_s'] * 1e3:7.1f} ms (decode step {s[way]['decode_step_s'] * 1e3:.1f} ms), "
               f"image first token {s[way]['image_ttft_s'] * 1e3:7.1f} ms")
