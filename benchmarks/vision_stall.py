@@ -47,7 +47,8 @@ def build(out: Path, depth: int, hidden: int, dtype: str) -> Path:
 
     if not (out / "config.json").exists():
         tiny_model._VISION = {**tiny_model._VISION, "depth": depth, "hidden_size": hidden, "num_heads": max(hidden // 64, 2)}
-        tiny_model.build_tiny_qwen35_vlm(out, dtype=dtype, tokenizer_from=TRAINED)
+        # gated-delta heads of 32: the CUDA recurrence kernel takes key heads in multiples of 32
+        tiny_model.build_tiny_qwen35_vlm(out, dtype=dtype, tokenizer_from=TRAINED, linear_head_dim=32)
     return out
 
 
