@@ -73,8 +73,7 @@ class VisionParts:
         hidden = hidden + tower.fast_pos_embed_interpolate(grid)
         rotary = tower.rot_pos_emb(grid)
         n = hidden.shape[0]
-        t, h, w = grid_thw
-        cu_seqlens = mx.cumsum(mx.repeat(grid[0, 1] * grid[0, 2], int(t)).astype(mx.int32), axis=0)
+        cu_seqlens = mx.cumsum(mx.repeat(grid[0, 1] * grid[0, 2], int(grid_thw[0])).astype(mx.int32), axis=0)
         cu_seqlens = mx.pad(cu_seqlens, (1, 0), mode="constant", constant_values=0)
         return VisionProgress(hidden.reshape(n, -1), rotary.reshape(n, -1), cu_seqlens)
 
