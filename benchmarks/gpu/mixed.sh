@@ -5,7 +5,8 @@
 # (mlx-vlm's server imports it).
 # Environment: GPU_MIXED_CONFIGS ("plain mtp": the plugin without, then with --enable-mtp), MTP_FORCE_ACCEPTANCE (the
 # plugin's verify accepts each draft with this probability: the random head drafts nothing the backbone agrees with),
-# GPU_MIXED_LIMIT_S (per configuration, default 240), GPU_MIXED_ROUNDS (4), GPU_MIXED_TOKENS (128),
+# GPU_MIXED_LIMIT_S (per configuration, default 240; on a machine's first run the servers' start-up can take most of
+# it: stop 50's H100 needed a second call, GPU_MIXED_CONFIGS=plain GPU_MIXED_LIMIT_S=320), GPU_MIXED_ROUNDS (4), GPU_MIXED_TOKENS (128),
 # MODEL_2B (default /root/qwen35-2b), SITE, OUT (default benchmarks/results/gpu_mixed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
