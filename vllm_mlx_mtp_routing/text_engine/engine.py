@@ -32,6 +32,11 @@ from .state import MediaInput, TextOutput, TextRequest
 logger = logging.getLogger(__name__)
 
 _YIELDS_PER_STEP = 5  # as vllm-mlx 0.6.0 mllm_scheduler._process_loop: an HTTP request needs ~3
+# After a long step with no row decoding (a lone prompt's chunk, up to ~2 s on a CPU), the loop pauses this long: a new
+# request needs a few loop turns and a prompt worker's reply before it reaches the engine, and with only the yields it
+# took one step per turn (a question sent beside a lone 7K-token prompt was added after 6 chunks, ~10 s).
+_LONG_STEP_S = 0.1
+_IDLE_PAUSE_S = 0.01
 
 
 class TextEngineError(RuntimeError):
@@ -224,8 +229,11 @@ class TextEngine:
             self._step_seconds += time.perf_counter() - tic
             for out in outputs:
                 self._deliver(out)
-            for _ in range(_YIELDS_PER_STEP):
-                await asyncio.sleep(0)
+            if time.perf_counter() - tic > _LONG_STEP_S and not self.scheduler.running:
+                await asyncio.sleep(_IDLE_PAUSE_S)  # no stream's cadence to keep: let new requests in
+            else:
+                for _ in range(_YIELDS_PER_STEP):
+                    await asyncio.sleep(0)
             try:  # once the streams have written this step's outputs
                 self.scheduler.finish_delivered()
             except Exception:

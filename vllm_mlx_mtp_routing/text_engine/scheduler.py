@@ -55,6 +55,7 @@ from .decode_batch import DecodeBatch
 from .detokenize import eos_ids_of
 from .footprint import engine_memory_model
 from .prefill_budget import ChunkGrid
+from .prefill_order import prefill_order
 from .row import Row
 from .runner import ModelRunner
 from .spec.mtp import MTPDecode
@@ -107,6 +108,8 @@ class BatchScheduler:
         # Measured over projected seconds of recent pieces: a calibration read on a loaded machine, or an attention
         # cost it missed, corrects itself from the next piece on (any split of a chunk's layers is exact).
         self._piece_scale = 1.0
+        self._head_waited = False  # short prompts passed the queue's head last step, which made no progress (prefill_order)
+        self.prompts_passed = 0  # short prompts that were prefilled ahead of a long one under way
         self.layers = len(getattr(getattr(model, "model", None), "layers", ())) or 1
         self._last_chunk_rate = 0.0  # CPU seconds per token of the last dense chunk, while no row decodes
         self.prefill_time_s: tuple[float, float] | None = None  # (x decode step, idle seconds); see prefill_budget
@@ -228,7 +231,11 @@ class BatchScheduler:
         spent; prefilled rows join as they finish."""
         outputs = []
         done, started, last = 0, time.perf_counter(), 0.0
-        for row in list(self.prefilling):
+        rows = list(self.prefilling)
+        plain = [r.req.media is None and r.sparse is None and r.req.share is None for r in rows]
+        order = [rows[i] for i in prefill_order(rows, plain, self._head_waited)]
+        head, head_at = (rows[0], rows[0].prefilled) if rows else (None, 0)
+        for row in order:
             if row.req.share is not None and not row.req.share.ready(row, self.model, self.head_layers > 0):
                 continue  # another row of its request is prefilling the same prompt
             try:
@@ -269,6 +276,11 @@ class BatchScheduler:
             self._join(row)
             record.joins += 1
             record.join_s += time.perf_counter() - tic
+        if head is not None and order[0] is not head:  # short prompts went first (prefill_order)
+            self.prompts_passed += order.index(head)
+            self._head_waited = head in self.prefilling and head.prefilled == head_at
+        else:
+            self._head_waited = False
         return outputs
 
     def _begin_prefill(self, row: Row) -> None:
@@ -488,6 +500,7 @@ class BatchScheduler:
             "media_rows": self.media_rows,
             "images_encoded": self.images_encoded,
             "vision_pieces": self.vision_pieces,
+            "prompts_passed": self.prompts_passed,
             "tokens_generated": self.generated_tokens,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "slowest_steps": self.profile.slowest(),
