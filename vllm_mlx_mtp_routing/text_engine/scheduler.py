@@ -227,8 +227,8 @@ class BatchScheduler:
         return outputs
 
     def _prefill(self, record: StepRecord) -> list[TextOutput]:
-        """Prefill work in queue order, each item planned once the one before it ran, until the step's budget is
-        spent; prefilled rows join as they finish."""
+        """Prefill work in queue order (short prompts may pass a long one: prefill_order.py), each item planned once the
+        one before it ran, until the step's budget is spent; prefilled rows join as they finish."""
         outputs = []
         done, started, last = 0, time.perf_counter(), 0.0
         rows = list(self.prefilling)
@@ -266,7 +266,7 @@ class BatchScheduler:
                 outputs.append(self._fail_prefill(row, e))
                 continue
             if row.prefilled < row.to_prefill:
-                break  # budget spent: later requests wait, keeping the queue order
+                break  # budget spent: later requests wait, keeping this step's order
             if done and self.running and row.to_prefill > self.prefill_chunk:
                 # A prompt longer than a chunk joins first thing next step, not after this step's prefill: its join,
                 # first decode and (at max_tokens 1) leaving would come on top of the prefill budget this step spent.
