@@ -46,9 +46,9 @@ def build(out: Path, depth: int, hidden: int, dtype: str) -> Path:
     from support import tiny_model
 
     if not (out / "config.json").exists():
-        tiny_model._VISION = {**tiny_model._VISION, "depth": depth, "hidden_size": hidden, "num_heads": max(hidden // 64, 2)}
         # gated-delta heads of 32: the CUDA recurrence kernel takes key heads in multiples of 32
-        tiny_model.build_tiny_qwen35_vlm(out, dtype=dtype, tokenizer_from=TRAINED, linear_head_dim=32)
+        tiny_model.build_tiny_qwen35_vlm(out, dtype=dtype, tokenizer_from=TRAINED, linear_head_dim=32,
+                                         vision={"depth": depth, "hidden_size": hidden, "num_heads": max(hidden // 64, 2)})
     return out
 
 

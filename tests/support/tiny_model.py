@@ -64,7 +64,7 @@ def canonical_dtype(dtype: str) -> str:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPE_ALIASES.values()))}") from None
 
 
-def _config(dims: dict, ids: dict[str, int], dtype: str) -> dict:
+def _config(dims: dict, ids: dict[str, int], dtype: str, vision: dict) -> dict:
     n_layers, interval = dims["num_layers"], dims["full_attention_interval"]
     layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if "full_attention" not in layer_types or "linear_attention" not in layer_types:
@@ -112,7 +112,7 @@ def _config(dims: dict, ids: dict[str, int], dtype: str) -> dict:
         "use_cache": True,
         "vocab_size": dims["vocab_size"],
     }
-    v = _VISION
+    v = vision
     vision_config = {
         "model_type": "qwen3_5",
         "deepstack_visual_indexes": [],
@@ -353,6 +353,7 @@ def build_tiny_qwen35_vlm(
     force: bool = False,
     logit_scale: float = 4.0,
     zero_special_logits: bool = True,
+    vision: dict | None = None,
 ) -> dict:
     """Write a tiny random Qwen3.5 VLM checkpoint into `out_dir`; returns a summary dict.
 
@@ -361,7 +362,8 @@ def build_tiny_qwen35_vlm(
     an existing checkpoint (or `build_tokenizer` output) instead of training one; it may
     be `out_dir` itself with `force=True`, to redraw the weights under the same tokenizer.
     `zero_special_logits=False` keeps random lm_head rows for special tokens, so EOS can
-    be generated; padding ids past the tokenizer are always zeroed.
+    be generated; padding ids past the tokenizer are always zeroed. `vision` overrides the vision tower's sizes
+    (`_VISION`'s keys: `depth`, `hidden_size`, `num_heads`, ...).
     """
     dtype = canonical_dtype(dtype)
     if mtp_placement not in MTP_PLACEMENTS:
@@ -390,7 +392,7 @@ def build_tiny_qwen35_vlm(
             raise ValueError(f"tokenizer has {tok['tokenizer_size']} tokens > vocab_size {vocab_size}")
         ids = tok["special_ids"]
 
-        cfg = _config(dims, ids, dtype)
+        cfg = _config(dims, ids, dtype, {**_VISION, **(vision or {})})
         t, v = cfg["text_config"], cfg["vision_config"]
         _write_json(work / "config.json", cfg)
         _write_json(
