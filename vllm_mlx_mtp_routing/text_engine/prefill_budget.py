@@ -374,18 +374,23 @@ def deep_cache(layers: list[Any], depth: int) -> None:
     mx.eval([c.state for c in layers])
 
 
+def step_limit_s(scheduler: Any) -> float | None:
+    """A step's prefill seconds: ``ratio`` times the running batch's decode step while rows decode, else the idle
+    bound; None where no time limit is set."""
+    limits = getattr(scheduler, "prefill_time_s", None)
+    if limits is None:
+        return None
+    if scheduler.running:
+        return limits[0] * (getattr(scheduler, "decode_step_s", 0.0) or 0.0)
+    return limits[1]
+
+
 def more_prefill(scheduler: Any, tokens_after: int, started: float, last_chunk_s: float) -> bool:
     """May this step run another prefill chunk (``tokens_after`` tokens in all, ``started`` its first)?"""
     if tokens_after > scheduler.prefill_step_size:
         return False
-    limits = getattr(scheduler, "prefill_time_s", None)
-    if limits is None:
-        return True
-    if scheduler.running:
-        limit = limits[0] * (getattr(scheduler, "decode_step_s", 0.0) or 0.0)
-    else:
-        limit = limits[1]
-    return time.perf_counter() - started + last_chunk_s <= limit
+    limit = step_limit_s(scheduler)
+    return limit is None or time.perf_counter() - started + last_chunk_s <= limit
 
 
 def note_decode_step(scheduler: Any, seconds: float) -> None:

@@ -314,7 +314,7 @@ class BatchScheduler:
         blocks = self.runner.vision_blocks
         progress = media.encoding.get(image)
         first = progress.next_block if progress is not None else 0
-        limit = self.prefill_time_s[0] * self.decode_step_s if self.prefill_time_s is not None else 0.0
+        limit = prefill_budget.step_limit_s(self) or 0.0
         if blocks < 2 or not self.running or limit <= 0:
             return MediaEncode(row, image, e - s, first, None, max(blocks, 1))
         if progress is None:  # the patches embedded and positioned, no block yet
