@@ -256,10 +256,8 @@ class BatchScheduler:
                     record.chunk(ran.tokens, ran.seconds)
                     if isinstance(work, PrefillChunk) and not work.whole and self.layer_pieces is not None:
                         self._note_piece(work, ran.seconds)
-                    elif isinstance(work, MediaEncode) and not work.whole and work.row.req.media is not None:
-                        stop = work.blocks if work.last_block is None else work.last_block
-                        if stop > work.first_block:
-                            work.row.req.media.block_s[work.image] = ran.seconds / (stop - work.first_block)
+                    elif isinstance(work, MediaEncode) and not work.whole:
+                        self._note_encode(work, ran.seconds)
                     self._after_work(work)
             except Exception as e:  # only this request's own caches were touched
                 logger.exception("prefill failed for %s", row.rid)
@@ -339,6 +337,14 @@ class BatchScheduler:
         if projected > 0:
             ratio = min(max(seconds / projected, 0.1), 100.0)
             self._piece_scale = 0.5 * self._piece_scale + 0.5 * ratio
+
+    @staticmethod
+    def _note_encode(piece: MediaEncode, seconds: float) -> None:
+        """A vision piece's seconds per block: the next piece's size (its input stage alone measures none)."""
+        stop = piece.blocks if piece.last_block is None else piece.last_block
+        media = piece.row.req.media
+        if media is not None and stop > piece.first_block:
+            media.block_s[piece.image] = seconds / (stop - piece.first_block)
 
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,
