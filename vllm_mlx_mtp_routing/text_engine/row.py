@@ -37,6 +37,7 @@ class Row:
         self.specprefill_outcome: dict | None = None  # SpecPrefill's decision, reported with the outputs
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
         self.shared_prefill = False  # started from the prefill of another row of its request
+        self.passed = False  # prefilled ahead of a long prompt under way (prefill_order.py)
 
     @property
     def prefilled(self) -> int:

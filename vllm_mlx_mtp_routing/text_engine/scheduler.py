@@ -235,6 +235,7 @@ class BatchScheduler:
         plain = [r.req.media is None and r.sparse is None and r.req.share is None for r in rows]
         order = [rows[i] for i in prefill_order(rows, plain, self._head_waited)]
         head, head_at = (rows[0], rows[0].prefilled) if rows else (None, 0)
+        ahead = [r for r in order[: order.index(head)] if r.prefilled < r.to_prefill] if head is not None else []
         for row in order:
             if row.req.share is not None and not row.req.share.ready(row, self.model, self.head_layers > 0):
                 continue  # another row of its request is prefilling the same prompt
@@ -275,7 +276,9 @@ class BatchScheduler:
             record.joins += 1
             record.join_s += time.perf_counter() - tic
         if head is not None and order[0] is not head:  # short prompts went first (prefill_order)
-            self.prompts_passed += order.index(head)
+            for r in ahead:  # each counted once, however many steps its prefill takes
+                self.prompts_passed += not r.passed
+                r.passed = True
             self._head_waited = head in self.prefilling and head.prefilled == head_at
         else:
             self._head_waited = False
