@@ -1,6 +1,6 @@
 """The gated-delta decoder layer's compiled one-token step (model/kernels/compiled_decode.py).
 
-fp32 tiny Qwen3.5: the layer call the steps trace (``layer_call``) is mlx-lm's, gated-delta and attention layers
+fp32 tiny Qwen3.5: the layer's tail the verify runs (``layer_tail``) is mlx-lm's, gated-delta and attention layers
 alike; the compiled layer gives, bit for bit, the output and the [conv, recurrent] state of mlx-lm's own layer, step
 after step, alone and in a batch; the verify's compiled layer gives the uncompiled verify's logits and captured
 states, through a rollback; the engine on the plugin's text model (compiled layers) decodes the tokens mlx-lm's
@@ -17,7 +17,7 @@ from mlx_lm.generate import stream_generate
 
 from scheduling import run_schedule
 from vllm_mlx_mtp_routing.model.backbone import backbone_forward, rollback_rows
-from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, layer_call
+from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, layer_tail
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import ArraysCache, DecoderLayer
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions
 
@@ -33,7 +33,7 @@ def test_the_plugins_text_model_takes_the_compiled_layer_on_the_cpu(tiny):
     assert all(type(layer) is DecoderLayer for layer in layers if not layer.is_linear)  # mlx-lm's: nothing compiled
 
 
-def test_the_layer_call_is_mlx_lms_layer_bit_for_bit(tiny):
+def test_the_layer_tail_is_mlx_lms_layer_bit_for_bit(tiny):
     bundle, _ = tiny
     rng = np.random.default_rng(0)
     H = bundle.model.args.hidden_size
@@ -41,9 +41,11 @@ def test_the_layer_call_is_mlx_lms_layer_bit_for_bit(tiny):
         x = mx.array(rng.normal(size=(2, 3, H)).astype(np.float32))
         if layer.is_linear:
             ours, ref = ArraysCache(size=2), ArraysCache(size=2)
+            r = layer.linear_attn(layer.input_layernorm(x), None, ours)
         else:
             ours = ref = None
-        got = layer_call(layer, x, None, ours)
+            r = layer.self_attn(layer.input_layernorm(x), None, ours)
+        got = layer_tail(layer, x, r)
         want = DecoderLayer.__call__(layer, x, None, ref)
         assert mx.array_equal(got, want).item()
 

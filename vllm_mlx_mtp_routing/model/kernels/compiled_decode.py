@@ -6,8 +6,8 @@ recurrence step, the gated norm, the MLP), each a separate kernel, and each a fe
 Compiled (``mx.compile``, traced once per batch size) its elementwise ops fuse and the graph is built once: fewer
 kernels and less Python per step. The layer's inputs are its hidden state and its cache's [conv, recurrent] state;
 its weights are constants of the graph (inference never changes them). The arithmetic is mlx-lm's
-``DecoderLayer.__call__`` (``layer_call``), the same ops in the same order: outputs are bitwise those of the uncompiled
-layer on the CPU (tests/test_compiled_decode.py).
+``DecoderLayer.__call__``, the same ops in the same order: outputs are bitwise those of the uncompiled layer on the
+CPU (tests/test_compiled_decode.py).
 
 The MTP verify's layer (backbone.backbone_forward with capture: the recurrent state after each position kept) runs
 compiled the same way, one graph per layer and recurrence (``verify_step``). A mask, a cache with per-row
@@ -39,19 +39,10 @@ def layer_tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def layer_call(layer: DecoderLayer, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-    """mlx-lm's ``DecoderLayer.__call__``: the same ops in the same order (the compiled steps trace it)."""
-    if layer.is_linear:
-        r = layer.linear_attn(layer.input_layernorm(x), mask, cache)
-    else:
-        r = layer.self_attn(layer.input_layernorm(x), mask, cache)
-    return layer_tail(layer, x, r)
-
-
 def _layer_step(layer: DecoderLayer, x: mx.array, conv_state: mx.array, state: mx.array) -> tuple[mx.array, ...]:
     cache = ArraysCache(size=2)
     cache[0], cache[1] = conv_state, state
-    out = layer_call(layer, x, None, cache)
+    out = DecoderLayer.__call__(layer, x, None, cache)
     return out, cache[0], cache[1]
 
 
