@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_step_s": sched.decode_step_s, "vision_pieces": sched.vision_pieces - pieces_before,
                 "image_first_token": token}
 
-    image_tokens = len(image_prompt(0).media.spans) and (lambda sp: sp[1] - sp[0])(image_prompt(0).media.spans[0])
+    start, end = image_prompt(0).media.spans[0]
+    image_tokens = end - start
     one_round(-1, True)  # warm-up: every shape compiled once
     one_round(-2, False)
     rounds = [one_round(r, r % 2 == 0) for r in range(a.rounds)]
