@@ -12,6 +12,9 @@ not (a GPU), or again:
   against part by part, on the same weights;
 - ``conv_step``: plain steps, the gated-delta layers' conv and its next window in one kernel
   (``causal_conv.conv_step``, CUDA) against the concatenation and the conv kernel;
+- ``fused_layer``: plain steps, the gated-delta layers' conv, gates, head norms and recurrence in one kernel
+  (model/kernels/gated_delta_layer.py, CUDA) against the ops and the conv and recurrence kernels (its values agree
+  to rounding, so ``tokens_equal`` may be false on random weights);
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
   started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
 
@@ -45,7 +48,7 @@ from lib.provenance import commit, device, versions  # noqa: E402
 from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
@@ -54,7 +57,7 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
@@ -79,6 +82,9 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
     elif option == "conv_step":
         (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
         retrace(model.model.layers)  # a compiled step traced one way: traced again
+    elif option == "fused_layer":
+        (gated_delta_layer.fused_layer_devices.add if on else gated_delta_layer.fused_layer_devices.discard)(kind())
+        retrace(model.model.layers)
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -100,9 +106,10 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", "conv_step")
+    mtp = option not in ("compiled_decode", "fused_projections", "conv_step", "fused_layer")
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     conv_devices = set(causal_conv.conv_step_devices)  # likewise
+    layer_devices = set(gated_delta_layer.fused_layer_devices)
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
@@ -124,6 +131,8 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         fused_projections.attach(_detached.pop(id(model), {}))
         causal_conv.conv_step_devices.clear()
         causal_conv.conv_step_devices.update(conv_devices)
+        gated_delta_layer.fused_layer_devices.clear()
+        gated_delta_layer.fused_layer_devices.update(layer_devices)
         retrace(model.model.layers)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {

@@ -3,9 +3,9 @@
 # then exports the environment the benchmarks run in. Needs REPO, SITE and PY set.
 if [ ! -e "$SITE/.gpu_serve_staged" ]; then
   aa=$(ls /root/mlx.part.aa .device-a/mlx.part.aa 2>/dev/null | head -1)
-  ab=.device-b/mlx.part.ab
-  if [ -z "$aa" ] || [ ! -e "$ab" ]; then
-    echo "gpu_setup: MLX halves missing (need /root/mlx.part.aa or .device-a/mlx.part.aa, and $ab)"; return 2
+  ab=$(ls /root/mlx.part.ab .device-b/mlx.part.ab 2>/dev/null | head -1)
+  if [ -z "$aa" ] || [ -z "$ab" ]; then
+    echo "gpu_setup: MLX halves missing (need /root/mlx.part.aa or .device-a/mlx.part.aa, and /root/mlx.part.ab or .device-b/mlx.part.ab)"; return 2
   fi
   mkdir -p "$SITE"
   cat "$aa" "$ab" | xz -d -T0 | tar -C "$SITE" -xf - || return 2

@@ -66,12 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="rounds in all, the two ways alternated")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:  # where a run cut off by a time limit spent its time
+        print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
 
     from mlx_vlm import load
     from vllm_mlx.engine.batched import BatchedEngine
 
     path = build(a.model or Path(tempfile.gettempdir()) / f"vision-stall-vlm-{a.depth}x{a.vision_hidden}-{a.dtype}",
                  a.depth, a.vision_hidden, a.dtype)
+    progress("model built")
     vlm, processor = load(str(path))
     if a.max_pixels:
         processor.image_processor.max_pixels = a.max_pixels
@@ -82,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                            vision=vision)
     budget = calibrate(bundle.model, max_chunk=2048, ratio=DEFAULT_RATIO, vocab_size=bundle.model.args.vocab_size)
     budget.apply(sched)
+    progress("loaded and calibrated")
     blocks = sched.runner.vision_blocks
 
     def render(msgs: list[dict], images: int) -> str:
@@ -125,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     image_tokens = end - start
     one_round(-1, True)  # warm-up: every shape compiled once
     one_round(-2, False)
-    rounds = [one_round(r, r % 2 == 0) for r in range(a.rounds)]
+    progress("warmed up")
+    rounds = []
+    for r in range(a.rounds):
+        rounds.append(one_round(r, r % 2 == 0))
+        progress(f"round {r}: " + json.dumps({k: rounds[-1][k] for k in ("pieces", "max_gap_s", "image_ttft_s")}))
 
     def med(key: str, pieces: bool) -> float:
         return statistics.median(x[key] for x in rounds if x["pieces"] is pieces)

@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .kernels import gated_delta_layer as fused_layer
 from .kernels.causal_conv import conv1d, conv_step, step_runs
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, layer_tail, plain_cache
 from .kernels.device import on_cuda, on_metal
@@ -196,6 +197,13 @@ def _layer_core(
     B, S, _ = x.shape
     qkv, z, b, a = project(lin, GATED_DELTA_INPUTS, x)
     z = z.reshape(B, S, lin.num_v_heads, lin.head_v_dim)
+    if fused_layer.runs(lin, qkv, conv_state, mask) and (not capture or _active[0] is _recurrence_fused):
+        state = zero_state(lin, B) if state is None else state
+        y, kept, window = fused_layer.gated_delta_layer(lin, qkv, conv_state, a, b, state, capture)
+        # the verify's rollback reads the whole window; otherwise its end (the next conv state) is all that is kept
+        conv_input = mx.concatenate([conv_state, qkv], axis=1) if capture else window
+        final, states = (kept[:, -1], [kept[:, t] for t in range(S)]) if capture else (kept, [])
+        return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, final, states
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     if window_only:

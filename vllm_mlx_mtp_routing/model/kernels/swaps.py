@@ -2,7 +2,8 @@
 
 The text model keeps the modules mlx-lm and mlx-vlm built (their parameters are the VLM's own arrays); where the
 package runs a kernel of its own, a module's class is swapped for a subclass that calls it, parameters untouched:
-- ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet``: the fused gated-delta recurrence (recurrence.py). CUDA only.
+- ``GatedDeltaNet`` -> ``backbone.FusedGatedDeltaNet``: the gated-delta layer's conv, gates and recurrence as the package's
+  kernels (gated_delta_layer.py, recurrence.py). CUDA only.
 - ``nn.Linear`` -> ``skinny_matmul.SkinnyLinear``: the few-row matmul. CUDA only; quantized layers keep theirs.
 - ``Attention`` -> ``grouped_attention.GroupedAttention``: a ragged batch's attention split by row length. Every
   device.
