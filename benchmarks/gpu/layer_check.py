@@ -33,7 +33,8 @@ def core(lin, x, conv_state, state, capture=False, fused=True):
     devices = set(fused_layer.fused_layer_devices)
     try:
         (fused_layer.fused_layer_devices.add if fused else fused_layer.fused_layer_devices.discard)(kind())
-        out, conv_input, final, states = backbone._layer_core(lin, x, conv_state, state, None, capture)
+        out, conv_input, final, states = backbone._layer_core(lin, x, conv_state, state, None, capture,
+                                                              window_only=not capture)
     finally:
         fused_layer.fused_layer_devices.clear()
         fused_layer.fused_layer_devices.update(devices)

@@ -200,8 +200,8 @@ def _layer_core(
     if fused_layer.runs(lin, qkv, conv_state, mask) and (not capture or _active[0] is _recurrence_fused):
         state = zero_state(lin, B) if state is None else state
         y, kept, window = fused_layer.gated_delta_layer(lin, qkv, conv_state, a, b, state, capture)
-        # the verify's rollback reads the whole window; otherwise its end (the next conv state) is all that is kept
-        conv_input = mx.concatenate([conv_state, qkv], axis=1) if capture else window
+        # the window's end is the next conv state; the verify's rollback and per-row lengths read the whole window
+        conv_input = window if window_only else mx.concatenate([conv_state, qkv], axis=1)
         final, states = (kept[:, -1], [kept[:, t] for t in range(S)]) if capture else (kept, [])
         return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, final, states
     if mask is not None:
