@@ -4,7 +4,8 @@
 Each round sends CONCURRENCY streamed chat requests at once to one server, half of them with an image (temperature 0,
 MAX_TOKENS each); the servers take turns round by round, so drift of the machine hits them alike. Reported per server:
 per-request decode speed of text and of image requests (median tokens/s after the first token), aggregate tokens/s of
-a round, time to first token; then the ratios plugin / host and plugin / mlx-vlm.
+a round, each request's answer over its whole wait (tokens over the seconds from its send to its last token: "e2e"),
+time to first token; then the ratios plugin / host and plugin / mlx-vlm.
 
   python benchmarks/mixed_load.py                       # the committed trained model, CPU
   python benchmarks/mixed_load.py --mtp                 # the plugin with --enable-mtp (the host without: its MTP drops images)
@@ -88,7 +89,9 @@ async def one(client: httpx.AsyncClient, model: str, msgs: list[dict], max_token
                     chunks += 1
     tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") else chunks
     span = (last - first) if first and last else 0.0
-    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "decode": (tokens - 1) / span if span > 0 else 0.0}
+    # "decode": tokens/s after the first token; "e2e": the whole answer's tokens over the wait for it from the send
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "decode": (tokens - 1) / span if span > 0 else 0.0,
+            "e2e": tokens / (last - t0) if last else 0.0}
 
 
 async def round_of(url: str, model: str, concurrency: int, max_tokens: int, offset: int, images: bool = True) -> dict:
@@ -168,6 +171,7 @@ def summary(rounds: list[dict]) -> dict:
     image = [r for x in rounds for r in x["image"]]
     return {"text_decode_tok_s": med(text, "decode"), "image_decode_tok_s": med(image, "decode"),
             "aggregate_tok_s": statistics.median(x["tokens"] / x["wall"] for x in rounds),
+            "text_e2e_tok_s": med(text, "e2e"), "image_e2e_tok_s": med(image, "e2e"),
             "text_ttft_s": med(text, "ttft"), "image_ttft_s": med(image, "ttft")}
 
 
@@ -221,7 +225,9 @@ def main() -> int:
               "plugin_mtp": a.mtp, "servers": {n: {**(summary(rs) if rs else {}), **turns[n]} for n, rs in rounds.items()},
               "plugin_routing": status.get("routing"), "plugin_mtp_acceptance": status.get("mtp", {}).get("acceptance_rate"),
               "plugin_mtp_media_rows": status.get("mtp", {}).get("media_rows")}
-    keys = ["text_decode_tok_s", "image_decode_tok_s", "aggregate_tok_s", "text_ttft_s", "image_ttft_s"]
+    keys = ["text_decode_tok_s", "image_decode_tok_s", "aggregate_tok_s", "text_e2e_tok_s", "image_e2e_tok_s",
+            "text_ttft_s", "image_ttft_s"]
+    rates = keys[:5]
     print(f"\nmixed load: concurrency {a.concurrency} ({'text only' if a.text_only else 'half with an image'}), {a.max_tokens} tokens, {a.rounds} rounds each, "
           f"plugin MTP {'on' if a.mtp else 'off'}")
     if a.rounds:
@@ -230,12 +236,12 @@ def main() -> int:
             print(f"{name:<10}" + "".join(f"{s[k]:>20.3f}" for k in keys))
     for other in [n for n in servers if n != "plugin"]:
         p, o = report["servers"]["plugin"], report["servers"][other]
-        ratios = {k: p[k] / o[k] if o[k] else float("nan") for k in keys[:3]} if a.rounds else {}
+        ratios = {k: p[k] / o[k] if o.get(k) else float("nan") for k in rates} if a.rounds else {}
         # each conversation's pair (the same image on both servers, one after the other)
         ratios["turn2_ttft_each"] = [round(x / y, 3) for x, y in zip(p.get("turn2_ttft_all_s", []), o.get("turn2_ttft_all_s", [])) if y]
         report[f"plugin_vs_{other}"] = ratios
         if a.rounds:
-            print(f"plugin / {other:<8}" + "".join(f"{ratios[k]:>20.2f}" for k in keys[:3]))
+            print(f"plugin / {other:<8}" + "".join(f"{ratios[k]:>20.2f}" for k in rates))
         if a.second_turns:
             print(f"second turn, plugin / {other} per conversation: {ratios['turn2_ttft_each']}")
     if a.second_turns:

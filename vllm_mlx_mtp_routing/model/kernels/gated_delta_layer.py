@@ -2,9 +2,9 @@
 
 Between its input projections and its gated output norm, the layer runs, per position: the depthwise causal conv and
 its SiLU, the RMS norm of each q and k head and their scales, the decay ``g`` and ``beta`` from the gate projections,
-and one recurrence step. As MLX ops (with the conv and the recurrence as this package's kernels) that is seven
-launches a layer however the step is compiled; a batch-1 decode step on a GPU is launch-bound, and on a 2B shape these
-are 126 of its ~520 launches. Here one thread block per (row, value head, 4 value rows) computes them all: each warp
+and one recurrence step. As MLX ops (with the conv and the recurrence as this package's kernels) that is eight
+launches a layer however the step is compiled, and a small batch's decode step on a GPU is bound by its launches
+(docs/design-notes.md). Here one thread block per (row, value head, 4 value rows) computes them all: each warp
 convolves and normalizes its head's q and k itself (a warp spans the key dimension, so a head's norm is a shuffle
 reduction), then runs recurrence.py's arithmetic. That kernel runs its positions in turn, which a prompt chunk of
 thousands of positions would pay: a long call computes every position's inputs in parallel first (the same code, so
