@@ -230,6 +230,7 @@ def runs(lin: nn.Module, qkv: mx.array, conv_state: mx.array, mask: mx.array | N
         and lin.head_k_dim % 32 == 0
         and lin.head_v_dim % 4 == 0
         and lin.num_v_heads % lin.num_k_heads == 0
+        and lin.num_v_heads // lin.num_k_heads <= 32  # a key head's warp writes the gates of its value heads, a lane each
     )
 
 
