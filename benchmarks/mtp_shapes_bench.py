@@ -60,11 +60,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from lib.provenance import commit, device, versions  # noqa: E402
-from lib.shapes import COMMON, PRESETS  # noqa: E402
+from lib import random_model  # noqa: E402
+from lib.random_model import parameter_count, text_config  # noqa: E402
+from lib.shapes import PRESETS  # noqa: E402
 from vllm_mlx_mtp_routing.model import backbone  # noqa: E402
 from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
     FusedGatedDeltaNet,
@@ -73,20 +73,11 @@ from vllm_mlx_mtp_routing.model.backbone import (  # noqa: E402
     lm_head,
     rollback_rows,
 )
-from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.fused_projections import use_fused_projections  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels.swaps import (  # noqa: E402
-    FUSIONS,
-    fused_projection_devices,
-    use_fused_recurrence,
-    use_skinny_matmul,
-)
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import (  # noqa: E402
     ArraysCache,
     GatedDeltaNet,
     KVCache,
     TextModel,
-    TextModelArgs,
     create_attention_mask,
 )
 from vllm_mlx_mtp_routing.model.mtp import MTPHead  # noqa: E402
@@ -128,55 +119,17 @@ def variant(model: TextModel, name: str) -> Iterator[None]:
         for lin, cls in zip(lins, classes):
             lin.__class__ = cls
 
-# Qwen3.5-9B's text shape (its published config: 32 layers, [GDN x3, attention] x8, untied lm_head).
-SHAPE_9B = {
-    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "vocab_size": 248320, "tie_word_embeddings": False, "full_attention_interval": 4,
-}  # fmt: skip
-SHAPES = {"2b": PRESETS["qwen35-2b"], "9b": SHAPE_9B, "small": PRESETS["tiny"]}
+SHAPES = {"2b": PRESETS["qwen35-2b"], "9b": PRESETS["qwen35-9b"], "small": PRESETS["tiny"]}
 
 
 # -- the model ----------------------------------------------------------------------------------
 
 
 def build(shape: dict, dtype: Any, zero_ids: list[int], seed: int = 0) -> tuple[TextModel, MTPHead, int, int]:
-    """(TextModel, bound MTPHead, backbone parameters, head parameters) with random weights.
-
-    Each parameter is its module's own random init, cast to ``dtype`` and evaluated a few at a
-    time: the float32 init of the whole model never exists at once (9B: 36 GB)."""
-    mx.random.seed(seed)
-    args = TextModelArgs.from_dict({**COMMON, **shape})
-    model = TextModel(args)
-    head = MTPHead(args, 1)
-    for module in (model, head):
-        params = tree_flatten(module.parameters())
-        cast = []
-        for i, (name, v) in enumerate(params):
-            cast.append((name, v if name.endswith("A_log") else v.astype(dtype)))  # A_log stays fp32, as in mlx-lm
-            if i % 16 == 15:
-                mx.eval([c for _, c in cast[-16:]])
-        module.update(tree_unflatten(cast))
-        mx.eval(module.parameters())
-    out = model.model.embed_tokens if args.tie_word_embeddings else model.lm_head
-    keep = np.ones((args.vocab_size, 1), dtype=np.float32)
-    keep[zero_ids] = 0.0
-    out.weight = out.weight * mx.array(keep).astype(dtype)
-    model.train(False)
-    head.train(False)
-    head.bind(model)
-    use_fused_recurrence(model)  # as build_text_model does (CUDA only)
-    use_skinny_matmul(model.model)  # likewise
-    use_skinny_matmul(head)
-    if kind() in fused_projection_devices:  # likewise (CPU and CUDA)
-        use_fused_projections(model, FUSIONS)
-    mx.eval(model.parameters(), [v for m in (model, head) for mod in m.modules() for v in mod.values()
-                                 if isinstance(v, mx.array)])
-    n_backbone = sum(v.size for _, v in tree_flatten(model.parameters()))
-    n_head = sum(v.size for _, v in tree_flatten(head.parameters()))
-    return model, head, n_backbone, n_head
+    """(TextModel, bound MTPHead, backbone parameters, head parameters) with random weights and the engine's class
+    swaps (lib/random_model.py)."""
+    model, head = random_model.build(text_config(shape), dtype, zero_ids, seed)
+    return model, head, parameter_count(model), parameter_count(head)
 
 
 def load_tokenizer():
@@ -543,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "mtp_shapes_bench",
         "shape": a.shape,
-        "text_config": {**COMMON, **shape},
+        "text_config": text_config(shape),
         "dtype": a.dtype,
         "params_backbone": n_backbone,
         "params_mtp_head": n_head,
