@@ -40,7 +40,8 @@ _POSITION = """
     constexpr int n_per_t = Dk / 32;
     constexpr int key_dim = Hk * Dk;
     #define X(i, c) static_cast<float>((i) < P \\
-        ? conv_state[b_idx * conv_state_strides[0] + (size_t)(i) * conv_state_strides[1] + (size_t)(c) * conv_state_strides[2]] \\
+        ? conv_state[b_idx * conv_state_strides[0] + (size_t)(i) * conv_state_strides[1] \\
+                     + (size_t)(c) * conv_state_strides[2]] \\
         : x[b_idx * x_strides[0] + (size_t)((i) - P) * x_strides[1] + (size_t)(c) * x_strides[2]])
     auto rnd = [](float v) { return static_cast<float>(static_cast<InT>(v)); };  // what a tensor of InT holds
     auto conv_silu = [&](int t, int c) {
@@ -81,7 +82,8 @@ _POSITION = """
                            + static_cast<float>(dt_bias[hv * dt_bias_strides[0]]));
       const float softplus = rnd(ab > 0.0f ? ab + log1pf(expf(-ab)) : log1pf(expf(ab)));  // logaddexp(ab, 0)
       decay = expf(-A * softplus);
-      beta = rnd(1.0f / (1.0f + expf(-static_cast<float>(b[b_idx * b_strides[0] + (size_t)t * b_strides[1] + hv * b_strides[2]]))));
+      const float b_t = static_cast<float>(b[b_idx * b_strides[0] + (size_t)t * b_strides[1] + hv * b_strides[2]]);
+      beta = rnd(1.0f / (1.0f + expf(-b_t)));
     };
 """
 
@@ -100,7 +102,8 @@ _LAYER_SOURCE = """
 """ + _POSITION + """
     const int cv = 2 * key_dim + hv_idx * Dv + dv_idx;
     float state[n_per_t];
-    const size_t s_in = b_idx * state_in_strides[0] + hv_idx * state_in_strides[1] + (size_t)dv_idx * state_in_strides[2];
+    const size_t s_in =
+        b_idx * state_in_strides[0] + hv_idx * state_in_strides[1] + (size_t)dv_idx * state_in_strides[2];
     for (int i = 0; i < n_per_t; ++i) {
       state[i] = static_cast<float>(state_in[s_in + (size_t)(n_per_t * dk_idx + i) * state_in_strides[3]]);
     }
@@ -150,8 +153,9 @@ _LAYER_SOURCE = """
     #undef X
 """
 
-# A long call's positions in parallel: a warp per (row, position, key head), four to a block, writes its q and k, and the v, decay and
-# beta of the value heads that read them; recurrence.py's kernel then runs the positions. Same values as one kernel.
+# A long call's positions in parallel: a warp per (row, position, key head), four to a block, writes its q and k, and
+# the v, decay and beta of the value heads that read them; recurrence.py's kernel then runs the positions. Same values
+# as the one kernel.
 _INPUTS_SOURCE = """
     const int B = x_shape[0];
     const int T = x_shape[1];
@@ -230,7 +234,7 @@ def runs(lin: nn.Module, qkv: mx.array, conv_state: mx.array, mask: mx.array | N
         and lin.head_k_dim % 32 == 0
         and lin.head_v_dim % 4 == 0
         and lin.num_v_heads % lin.num_k_heads == 0
-        and lin.num_v_heads // lin.num_k_heads <= 32  # a key head's warp writes the gates of its value heads, a lane each
+        and lin.num_v_heads // lin.num_k_heads <= 32  # a key head's warp writes its value heads' gates, a lane each
     )
 
 
