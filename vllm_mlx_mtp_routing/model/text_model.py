@@ -52,8 +52,9 @@ from .checkpoint_layouts import (
     read_config,
     read_drafter_folder,
 )
-from .kernels import moe_dispatch, swaps
+from .kernels import gated_delta_layer, moe_dispatch, swaps
 from .kernels.cpu_experts import use_float32_experts
+from .kernels.device import kind as device_kind
 from .mlx_lm_internals import TextModel, TextModelArgs
 from .mtp import MTPHead, resolve_hidden_state_mode
 
@@ -406,8 +407,10 @@ def build_text_model(
     if swapped.moe_switches:
         moe_dispatch.measure(model, head)
     if swapped.fused_recurrence:
-        logger.info("TextModel: %d gated-delta layers run the fused CUDA recurrence (one launch per call)",
-                    swapped.fused_recurrence)
+        one = device_kind() in gated_delta_layer.fused_layer_devices
+        logger.info("TextModel: %d gated-delta layers run %s", swapped.fused_recurrence,
+                    "their conv, gates, head norms and recurrence as one CUDA kernel a decode step" if one
+                    else "the fused CUDA recurrence (one launch per call)")
     if swapped.float32_experts:
         # The VLM's own layers too: the host's path (media requests) runs them.
         vlm_experts = use_float32_experts(lm)
