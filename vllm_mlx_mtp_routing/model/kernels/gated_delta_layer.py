@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .device import kind
-from .recurrence import gated_delta_fused
+from .recurrence import STEP, gated_delta_fused
 
 # What both kernels compute of a position, the same text in each (so the same arithmetic): the window [conv state; x]
 # read where it lies (x and the gates are column slices of the fused projection), the conv (causal_conv.py's order)
@@ -87,7 +87,7 @@ _POSITION = """
     };
 """
 
-# One kernel for a call: a block per (row, value head, 4 value rows), positions in turn, recurrence.py's arithmetic.
+# One kernel for a call: a block per (row, value head, 4 value rows), positions in turn, recurrence.py's step.
 _LAYER_SOURCE = """
     const int B = x_shape[0];  // not template constants: one compile serves every batch size and length
     const int T = x_shape[1];
@@ -113,19 +113,15 @@ _LAYER_SOURCE = """
       qk_at(t, q, k);
       const float v = conv_silu(t, cv);
       gates_at(t, hv_idx, decay, beta);
-      float kv_mem = 0.0f;
-      for (int i = 0; i < n_per_t; ++i) {
-        state[i] = state[i] * decay;
-        kv_mem += state[i] * k[i];
-      }
-      for (int off = 16; off > 0; off /= 2) kv_mem += __shfl_xor_sync(0xffffffff, kv_mem, off);
-      const float delta = (v - kv_mem) * beta;
-      float out = 0.0f;
-      for (int i = 0; i < n_per_t; ++i) {
-        state[i] = state[i] + k[i] * delta;
-        out += state[i] * q[i];
-      }
-      for (int off = 16; off > 0; off /= 2) out += __shfl_xor_sync(0xffffffff, out, off);
+      #define Q_AT(i) q[i]
+      #define K_AT(i) k[i]
+      #define V_AT v
+      #define BETA_AT beta
+""" + STEP + """
+      #undef Q_AT
+      #undef K_AT
+      #undef V_AT
+      #undef BETA_AT
       if (dk_idx == 0) y_[dv_idx] = static_cast<InT>(out);
       if (Capture) {
         StT* c_state = states + ((((size_t)b_idx * T + t) * Hv + hv_idx) * Dv + dv_idx) * Dk;

@@ -19,6 +19,25 @@ from functools import cache
 
 import mlx.core as mx
 
+# One position's update of a warp's slice of the state, the same text in every kernel that runs the recurrence
+# (gated_delta_layer.py's too), so that every path computes a position alike. The kernel defines ``decay``, Q_AT(i) and
+# K_AT(i) (its lane's i-th q and k element, as float), V_AT and BETA_AT; the step leaves the position's output in ``out``.
+STEP = """
+        float kv_mem = 0.0f;
+        for (int i = 0; i < n_per_t; ++i) {
+          state[i] = state[i] * decay;
+          kv_mem += state[i] * K_AT(i);
+        }
+        for (int off = 16; off > 0; off /= 2) kv_mem += __shfl_xor_sync(0xffffffff, kv_mem, off);
+        const float delta = (V_AT - kv_mem) * BETA_AT;
+        float out = 0.0f;
+        for (int i = 0; i < n_per_t; ++i) {
+          state[i] = state[i] + K_AT(i) * delta;
+          out += state[i] * Q_AT(i);
+        }
+        for (int off = 16; off > 0; off /= 2) out += __shfl_xor_sync(0xffffffff, out, off);
+"""
+
 _SOURCE = """
     const int B = q_shape[0];  // not a template constant: one compile serves every batch size
     const int T = q_shape[1];
@@ -39,6 +58,10 @@ _SOURCE = """
     const BT* beta_ = beta + (size_t)b_idx * T * Hv;
     const StT* i_state = state_in + ((size_t)n * Dv + dv_idx) * Dk;
 
+    #define Q_AT(i) static_cast<float>(q_[n_per_t * dk_idx + (i)])
+    #define K_AT(i) static_cast<float>(k_[n_per_t * dk_idx + (i)])
+    #define V_AT static_cast<float>(v_[dv_idx])
+    #define BETA_AT static_cast<float>(beta_[hv_idx])
     float state[n_per_t];
     for (int i = 0; i < n_per_t; ++i) {
       state[i] = static_cast<float>(i_state[n_per_t * dk_idx + i]);
@@ -47,19 +70,7 @@ _SOURCE = """
       const bool live = LIVE;
       if (live) {
         const float decay = static_cast<float>(g_[hv_idx]);
-        float kv_mem = 0.0f;
-        for (int i = 0; i < n_per_t; ++i) {
-          state[i] = state[i] * decay;
-          kv_mem += state[i] * static_cast<float>(k_[n_per_t * dk_idx + i]);
-        }
-        for (int off = 16; off > 0; off /= 2) kv_mem += __shfl_xor_sync(0xffffffff, kv_mem, off);
-        const float delta = (static_cast<float>(v_[dv_idx]) - kv_mem) * static_cast<float>(beta_[hv_idx]);
-        float out = 0.0f;
-        for (int i = 0; i < n_per_t; ++i) {
-          state[i] = state[i] + static_cast<float>(k_[n_per_t * dk_idx + i]) * delta;
-          out += state[i] * static_cast<float>(q_[n_per_t * dk_idx + i]);
-        }
-        for (int off = 16; off > 0; off /= 2) out += __shfl_xor_sync(0xffffffff, out, off);
+""" + STEP + """
         if (dk_idx == 0) y_[dv_idx] = static_cast<InT>(out);
       } else if (dk_idx == 0) {
         y_[dv_idx] = static_cast<InT>(0.0f);
@@ -79,6 +90,10 @@ _SOURCE = """
       StT* o_state = states + ((size_t)n * Dv + dv_idx) * Dk;
       for (int i = 0; i < n_per_t; ++i) o_state[n_per_t * dk_idx + i] = static_cast<StT>(state[i]);
     }
+    #undef Q_AT
+    #undef K_AT
+    #undef V_AT
+    #undef BETA_AT
 """
 
 
