@@ -211,12 +211,15 @@ def _inputs_kernel() -> Any:
 
 
 def runs(lin: nn.Module, qkv: mx.array, conv_state: mx.array, mask: mx.array | None) -> bool:
-    """Whether ``gated_delta_layer`` serves this call of gated-delta layer ``lin``: on here (``fused_layer_devices``),
-    no mask, a bias-free depthwise conv, key heads a multiple of 32 wide, every input in the weights' dtype."""
+    """Whether ``gated_delta_layer`` serves this call of gated-delta layer ``lin``: a CUDA device (the kernel's only
+    backend) that is on (``fused_layer_devices``), no mask, a bias-free depthwise conv, key heads a multiple of 32 wide,
+    every input in the weights' dtype."""
     conv = lin.conv1d
     w = getattr(conv, "weight", None)
+    device = kind()
     return (
-        kind() in fused_layer_devices
+        device == "cuda"
+        and device in fused_layer_devices
         and mask is None
         and not lin.training
         and w is not None
