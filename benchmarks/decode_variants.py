@@ -71,6 +71,9 @@ def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) ->
     return sched
 
 
+# Options that are this device's membership of a kernel's device set (read at each call: a test may swap the set)
+DEVICE_SETS = {"conv_step": lambda: causal_conv.conv_step_devices,
+               "fused_layer": lambda: gated_delta_layer.fused_layer_devices}
 _detached: dict[int, dict] = {}  # the fused projections taken off a model while its "off" side runs
 
 
@@ -79,12 +82,10 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
         for layer in model.model.layers:
             if layer.is_linear:
                 layer.__class__ = CompiledDecoderLayer if on else DecoderLayer
-    elif option == "conv_step":
-        (causal_conv.conv_step_devices.add if on else causal_conv.conv_step_devices.discard)(kind())
+    elif option in DEVICE_SETS:
+        devices = DEVICE_SETS[option]()
+        (devices.add if on else devices.discard)(kind())
         retrace(model.model.layers)  # a compiled step traced one way: traced again
-    elif option == "fused_layer":
-        (gated_delta_layer.fused_layer_devices.add if on else gated_delta_layer.fused_layer_devices.discard)(kind())
-        retrace(model.model.layers)
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -106,10 +107,9 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", "conv_step", "fused_layer")
+    mtp = option not in ("compiled_decode", "fused_projections", *DEVICE_SETS)
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
-    conv_devices = set(causal_conv.conv_step_devices)  # likewise
-    layer_devices = set(gated_delta_layer.fused_layer_devices)
+    devices = {name: set(members()) for name, members in DEVICE_SETS.items()}  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
@@ -129,10 +129,9 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         for layer, cls in zip(model.model.layers, classes):
             layer.__class__ = cls
         fused_projections.attach(_detached.pop(id(model), {}))
-        causal_conv.conv_step_devices.clear()
-        causal_conv.conv_step_devices.update(conv_devices)
-        gated_delta_layer.fused_layer_devices.clear()
-        gated_delta_layer.fused_layer_devices.update(layer_devices)
+        for name, members in DEVICE_SETS.items():
+            members().clear()
+            members().update(devices[name])
         retrace(model.model.layers)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {
