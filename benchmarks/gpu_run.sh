@@ -21,6 +21,7 @@
 #   loops        decode_loops.py, the engine's step beside mlx-lm's loops at 2B / 9B / 35B-A3B, MoE MTP on vs plain
 #   mtp_phases   mtp_step_phases.py, where an MTP step's wall time goes, plain against MTP, phase by phase
 #   cuda_graphs  decode_loops.py untraced under MLX's CUDA graph settings (graphs off, commit limits), alternated
+#   cpu_step     decode_loops.py at the 2B shape, batch 1: the step's CPU, processes traced and untraced, alternated
 #   vision_stall  vision_stall.py, running streams while an image's vision tower runs: in pieces of blocks vs one call
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
