@@ -75,7 +75,7 @@ class _Pieces:
     def __init__(self, one: bool = False) -> None:
         self.one, self.scales = one, []
 
-    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0, spent_s: float = 0.0) -> int:
         self.scales.append(scale)
         return first + 1 + (0 if self.one else (first + tokens) % 2)
 
@@ -200,3 +200,63 @@ def test_pieces_measured_slower_than_projected_shrink(tiny) -> None:
     while sched.has_work():
         sched.step()
     assert pieces.scales[0] == 1.0 and min(pieces.scales[1:]) < 0.6  # a piece takes far less than its projected second
+
+
+def test_a_later_piece_in_a_step_gets_only_what_the_budget_leaves() -> None:
+    kinds = (False, False, False, True) * 6
+    budget = PrefillBudget(chunk_tokens=832, max_chunk_tokens=2048, ratio=3.0, decode_step_s=0.0103,
+                           chunk_fixed_s=0.0151, per_token_s=1.9e-5, calibration_s=0.0, layer_kinds=kinds)  # an H100, 2B
+    n, limit = budget.grid_chunk_at(0), budget.chunk_limit_s
+    whole, half = budget.piece_end(0, n, 0), budget.piece_end(0, n, 0, spent_s=limit / 2)
+    assert 1 < half < whole and budget.piece_s(0, n, 0, half) <= limit / 2 < budget.piece_s(0, n, 0, half + 1)
+    assert budget.piece_end(0, n, 5, spent_s=2 * limit) == 6  # nothing left: one layer (the step's check refuses it)
+
+
+class _Recorded(_Pieces):
+    """Pieces of one layer projected at ``layer_s`` each; records the prefill already spent when each is planned."""
+
+    def __init__(self, layer_s: float) -> None:
+        super().__init__(one=True)
+        self.layer_s, self.spent = layer_s, []
+
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0, spent_s: float = 0.0) -> int:
+        self.spent.append(spent_s)
+        return super().piece_end(position, tokens, first, scale, spent_s)
+
+    def piece_s(self, position: int, tokens: int, first: int, end: int) -> float:
+        return self.layer_s * (end - first)
+
+
+def _items_per_step(model, tok, pieces: _Recorded, prefill_s: float) -> list[int]:
+    """A long prompt prefilled in pieces while a short one decodes; the prefill items each step ran."""
+    rng = np.random.default_rng(12)
+    sched = BatchScheduler(model, tok, max_num_seqs=4, prefill_step_size=256)
+    sched.chunk_grid = ChunkGrid(lambda p: GRID)
+    sched.prefill_time_s = (prefill_s, prefill_s)
+    sched.layer_pieces = pieces
+    seen: list[int] = []
+    real = sched.runner.prefill
+
+    def spy(work):
+        seen[-1] += len(work)
+        return real(work)
+
+    sched.runner.prefill = spy
+    sched.add(TextRequest("a", rng.integers(10, 3000, size=7).tolist(), SamplingOptions(max_tokens=60)))
+    seen.append(0)
+    sched.step()
+    sched.add(TextRequest("b", rng.integers(10, 3000, size=150).tolist(), SamplingOptions(max_tokens=2)))
+    while sched.has_work():
+        seen.append(0)
+        sched.step()
+    return seen[1:]
+
+
+def test_a_step_plans_each_piece_after_the_first_with_its_prefill_so_far_and_runs_it_only_where_projected_to_fit(tiny) -> None:
+    bundle, tok = tiny
+    roomy = _Recorded(layer_s=1e-9)  # a budget of seconds, pieces projected at nothing: several a step
+    many = _items_per_step(bundle.model, tok, roomy, prefill_s=1e3)
+    assert max(many) > 1
+    assert any(s > 0 for s in roomy.spent)  # a later piece of a step knows what the step spent before it
+    heavy = _Recorded(layer_s=1e3)  # every piece projected past any step's budget: one a step, however fast it ran
+    assert max(_items_per_step(bundle.model, tok, heavy, prefill_s=1.0)) == 1

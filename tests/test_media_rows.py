@@ -198,7 +198,7 @@ def test_second_turn_resumes_past_the_same_image_only(vl):
 
 
 class OneLayer:
-    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0, spent_s: float = 0.0) -> int:
         return first + 1
 
     def piece_s(self, position: int, tokens: int, first: int, end: int) -> float:

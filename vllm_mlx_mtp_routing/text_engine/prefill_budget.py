@@ -138,10 +138,12 @@ class PrefillBudget:
         n = _largest(least, max(least, self.max_chunk_tokens), lambda m: max(self.layer_s(m, position)) <= limit)
         return n if n < MIN_CHUNK else n // MIN_CHUNK * MIN_CHUNK
 
-    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int:
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0, spent_s: float = 0.0) -> int:
         """Where a piece of the chunk of ``tokens`` at ``position`` that starts at layer ``first`` ends: as many layers
-        as are projected within the limit, at least one; ``scale``: measured over projected seconds of recent pieces."""
-        costs, limit = self.layer_s(tokens, position), self.chunk_limit_s / max(scale, 1e-6)
+        as are projected within what the limit leaves after ``spent_s`` (this step's prefill so far), at least one;
+        ``scale``: measured over projected seconds of recent pieces."""
+        costs = self.layer_s(tokens, position)
+        limit = max(self.chunk_limit_s - spent_s, 0.0) / max(scale, 1e-6)
         end, total = first + 1, costs[first]
         while end < len(costs) and total + costs[end] <= limit:
             total += costs[end]

@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 class LayerPieces(Protocol):
     """How many of a chunk's layers one step runs while rows decode (prefill_budget.PrefillBudget)."""
 
-    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0) -> int: ...
+    def piece_end(self, position: int, tokens: int, first: int, scale: float = 1.0, spent_s: float = 0.0) -> int: ...
 
     def piece_s(self, position: int, tokens: int, first: int, end: int) -> float: ...
 
@@ -242,8 +242,9 @@ class BatchScheduler:
             try:
                 self._begin_prefill(row)
                 while row.prefilled < row.to_prefill:
-                    work = self._next_work(row)
-                    if done and not prefill_budget.more_prefill(self, done + work.tokens, started, last):
+                    # a later piece of this step is sized to what the budget leaves, and checked by its projection
+                    work = self._next_work(row, time.perf_counter() - started if done else 0.0)
+                    if done and not prefill_budget.more_prefill(self, done + work.tokens, started, self._projected_s(work, last)):
                         break
                     cpu = time.process_time()
                     (ran,) = self.runner.prefill([work])
@@ -255,7 +256,7 @@ class BatchScheduler:
                         # CPU seconds: other work on the machine must not shrink a lone prompt's chunks
                         self._last_chunk_rate = (time.process_time() - cpu) / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
-                    if isinstance(work, PrefillChunk) and not work.whole and self.layer_pieces is not None:
+                    if isinstance(work, PrefillChunk) and self.layer_pieces is not None and self.running:
                         self._note_piece(work, ran.seconds)
                     elif isinstance(work, MediaEncode) and not work.whole:
                         self._note_encode(work, ran.seconds)
@@ -293,24 +294,25 @@ class BatchScheduler:
         if self.specprefill is not None and row.req.media is None:  # scored and prefilled sparsely in pieces, see specprefill/
             row.sparse = self.specprefill.start(row, self)
 
-    def _next_work(self, row: Row) -> PrefillWork:
+    def _next_work(self, row: Row, spent_s: float = 0.0) -> PrefillWork:
+        """The row's next prefill item, sized to the step's budget less ``spent_s`` (its prefill so far)."""
         job = row.sparse if row.sparse is not None and row.sparse.ready() else None
         if job is not None:
             return SparsePiece(row, job, job.next_cost(), overlap=not self.running)
         partial = row.prefill.partial if row.prefill is not None else None
         if partial is not None:  # the chunk under way goes on from the layer it stopped at
-            return self._piece(row, partial.start, partial.end, partial.next_layer)
+            return self._piece(row, partial.start, partial.end, partial.next_layer, spent_s)
         start, end = row.prefilled, row.prefilled + self._chunk_len(row)
         media = row.req.media
         image = media.unencoded(start, end) if media is not None else None
         if media is not None and image is not None:  # its vision features first, one image per item
-            return self._encode_piece(row, media, image)
-        return self._piece(row, start, end, 0)
+            return self._encode_piece(row, media, image, spent_s)
+        return self._piece(row, start, end, 0, spent_s)
 
-    def _encode_piece(self, row: Row, media: MediaInput, image: int) -> MediaEncode:
+    def _encode_piece(self, row: Row, media: MediaInput, image: int, spent_s: float = 0.0) -> MediaEncode:
         """While rows decode, the image's vision tower a piece per step: its input stage, then as many blocks as the
-        step's stall bound allows (the first piece one block, which measures them); otherwise the rest of its encode,
-        or all of it."""
+        step's stall bound leaves room for (the first piece one block, which measures them); otherwise the rest of its
+        encode, or all of it."""
         s, e = media.spans[image]
         blocks = self.runner.vision_blocks
         progress = media.encoding.get(image)
@@ -321,17 +323,29 @@ class BatchScheduler:
         if progress is None:  # the patches embedded and positioned, no block yet
             return MediaEncode(row, image, e - s, 0, 0, blocks)
         per_block = media.block_s.get(image)
-        n = 1 if per_block is None else max(1, int(limit / per_block))
+        n = 1 if per_block is None else max(1, int(max(limit - spent_s, 0.0) / per_block))
         last = None if first + n >= blocks else first + n
         return MediaEncode(row, image, e - s, first, last, blocks)
 
-    def _piece(self, row: Row, start: int, end: int, first: int) -> PrefillChunk:
-        """While rows decode, as many of the chunk's layers as its stall bound allows; otherwise the rest of it."""
+    def _piece(self, row: Row, start: int, end: int, first: int, spent_s: float = 0.0) -> PrefillChunk:
+        """While rows decode, as many of the chunk's layers as its stall bound leaves room for; otherwise the rest."""
         last = None
         if self.layer_pieces is not None and self.running:
-            stop = self.layer_pieces.piece_end(start, end - start, first, self._piece_scale)
+            stop = self.layer_pieces.piece_end(start, end - start, first, self._piece_scale, spent_s)
             last = None if stop >= self.layers else stop
         return PrefillChunk(row, start, end, first, last, self.layers)
+
+    def _projected_s(self, work: PrefillWork, last_s: float) -> float:
+        """What ``work`` is expected to take: a piece of layers or of vision blocks by its measured rate, anything
+        else as long as the step's last item took."""
+        if isinstance(work, PrefillChunk) and self.layer_pieces is not None and self.running:
+            stop = self.layers if work.last_layer is None else work.last_layer
+            return self._piece_scale * self.layer_pieces.piece_s(work.start, work.positions, work.first_layer, stop)
+        media = work.row.req.media
+        if isinstance(work, MediaEncode) and media is not None and work.image in media.block_s:
+            stop = work.blocks if work.last_block is None else work.last_block
+            return media.block_s[work.image] * max(stop - work.first_block, 1)
+        return last_s
 
     def _note_piece(self, piece: PrefillChunk, seconds: float) -> None:
         assert self.layer_pieces is not None
