@@ -336,9 +336,11 @@ class BatchScheduler:
         return PrefillChunk(row, start, end, first, last, self.layers)
 
     def _projected_s(self, work: PrefillWork, last_s: float) -> float:
-        """What ``work`` is expected to take: a piece of layers or of vision blocks by its measured rate, anything
-        else as long as the step's last item took."""
-        if isinstance(work, PrefillChunk) and self.layer_pieces is not None and self.running:
+        """What ``work`` is expected to take while rows decode: a piece of layers or of vision blocks by its measured
+        rate; anything else, or with no row decoding, as long as the step's last item took."""
+        if not self.running:
+            return last_s
+        if isinstance(work, PrefillChunk) and self.layer_pieces is not None:
             stop = self.layers if work.last_layer is None else work.last_layer
             return self._piece_scale * self.layer_pieces.piece_s(work.start, work.positions, work.first_layer, stop)
         media = work.row.req.media
