@@ -260,3 +260,14 @@ def test_a_step_plans_each_piece_after_the_first_with_its_prefill_so_far_and_run
     assert any(s > 0 for s in roomy.spent)  # a later piece of a step knows what the step spent before it
     heavy = _Recorded(layer_s=1e3)  # every piece projected past any step's budget: one a step, however fast it ran
     assert max(_items_per_step(bundle.model, tok, heavy, prefill_s=1.0)) == 1
+
+
+def test_the_pieces_rate_follows_a_slower_piece_halfway_and_a_faster_one_a_fifth(tiny) -> None:
+    bundle, tok = tiny
+    sched = BatchScheduler(bundle.model, tok, max_num_seqs=2, prefill_step_size=256)
+    sched.layer_pieces = _Recorded(layer_s=1.0)
+    piece = PrefillChunk(None, 0, 32, 0, 2, 8)  # type: ignore[arg-type]  # two layers: projected at 2 s
+    sched._note_piece(piece, 0.2)  # ten times faster: a fifth of the way there
+    assert sched._piece_scale == pytest.approx(0.8 + 0.2 * 0.1)
+    sched._note_piece(piece, 4.0)  # slower: half the way
+    assert sched._piece_scale == pytest.approx(0.5 * 0.82 + 0.5 * 2.0)

@@ -355,7 +355,9 @@ class BatchScheduler:
         projected = self.layer_pieces.piece_s(piece.start, piece.positions, piece.first_layer, stop)
         if projected > 0:
             ratio = min(max(seconds / projected, 0.1), 100.0)
-            self._piece_scale = 0.5 * self._piece_scale + 0.5 * ratio
+            # a slower piece moves it halfway, a faster one a fifth: an overrun is a stall, an underrun only a piece more
+            keep = 0.5 if ratio > self._piece_scale else 0.8
+            self._piece_scale = keep * self._piece_scale + (1 - keep) * ratio
 
     @staticmethod
     def _note_encode(piece: MediaEncode, seconds: float) -> None:
