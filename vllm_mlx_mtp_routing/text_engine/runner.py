@@ -243,7 +243,7 @@ class ModelRunner:
             elif progress.next_block != item.first_block:
                 raise RuntimeError(f"a piece from block {item.first_block}, but image {item.image}'s encode is at block "
                                    f"{progress.next_block}")
-            vision.run_blocks(progress, item.blocks if item.last_block is None else item.last_block)
+            vision.run_blocks(progress, item.stop_block)
             if not item.completes:
                 media.encoding[item.image] = progress
                 mx.eval(progress.hidden)

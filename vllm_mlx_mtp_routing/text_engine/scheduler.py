@@ -341,18 +341,19 @@ class BatchScheduler:
         if not self.running:
             return last_s
         if isinstance(work, PrefillChunk) and self.layer_pieces is not None:
-            stop = self.layers if work.last_layer is None else work.last_layer
-            return self._piece_scale * self.layer_pieces.piece_s(work.start, work.positions, work.first_layer, stop)
+            return self._piece_scale * self._piece_projection(work)
         media = work.row.req.media
         if isinstance(work, MediaEncode) and media is not None and work.image in media.block_s:
-            stop = work.blocks if work.last_block is None else work.last_block
-            return media.block_s[work.image] * max(stop - work.first_block, 1)
+            return media.block_s[work.image] * max(work.stop_block - work.first_block, 1)
         return last_s
 
-    def _note_piece(self, piece: PrefillChunk, seconds: float) -> None:
+    def _piece_projection(self, piece: PrefillChunk) -> float:
+        """The budget's projected seconds of a chunk's layers, before the measured rate."""
         assert self.layer_pieces is not None
-        stop = self.layers if piece.last_layer is None else piece.last_layer
-        projected = self.layer_pieces.piece_s(piece.start, piece.positions, piece.first_layer, stop)
+        return self.layer_pieces.piece_s(piece.start, piece.positions, piece.first_layer, piece.stop_layer)
+
+    def _note_piece(self, piece: PrefillChunk, seconds: float) -> None:
+        projected = self._piece_projection(piece)
         if projected > 0:
             ratio = min(max(seconds / projected, 0.1), 100.0)
             # a slower piece moves it halfway, a faster one a fifth: an overrun is a stall, an underrun only a piece more
@@ -362,10 +363,9 @@ class BatchScheduler:
     @staticmethod
     def _note_encode(piece: MediaEncode, seconds: float) -> None:
         """A vision piece's seconds per block: the next piece's size (its input stage alone measures none)."""
-        stop = piece.blocks if piece.last_block is None else piece.last_block
         media = piece.row.req.media
-        if media is not None and stop > piece.first_block:
-            media.block_s[piece.image] = seconds / (stop - piece.first_block)
+        if media is not None and piece.stop_block > piece.first_block:
+            media.block_s[piece.image] = seconds / (piece.stop_block - piece.first_block)
 
     def _chunk_len(self, row: Row) -> int:
         """Chunks end on a grid of positions fixed for the server's life (multiples of the chunk size,

@@ -46,6 +46,11 @@ class PrefillChunk:
         return self.first_layer == 0 and self.last_layer is None
 
     @property
+    def stop_layer(self) -> int:
+        """The layer after its last."""
+        return self.layers if self.last_layer is None else self.last_layer
+
+    @property
     def completes(self) -> bool:
         """Does this item end the chunk (its last layer run, ``prefilled`` advanced to ``end``)?"""
         return self.last_layer is None or self.last_layer >= self.layers
@@ -81,6 +86,11 @@ class MediaEncode:
     @property
     def whole(self) -> bool:
         return self.first_block == 0 and self.last_block is None
+
+    @property
+    def stop_block(self) -> int:
+        """The block after its last."""
+        return self.blocks if self.last_block is None else self.last_block
 
     @property
     def completes(self) -> bool:
