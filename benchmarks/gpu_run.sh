@@ -26,9 +26,9 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 job=${1:-}
-if [ -z "$job" ] || [ "$job" = stage ] || [ ! -e "$here/gpu/$job.sh" ]; then
-  # gpu/stage.sh is not a job: it runs on the workstation, before (see benchmarks/README.md)
-  echo "usage: bash benchmarks/gpu_run.sh JOB   (JOB: $(cd "$here/gpu" && ls *.sh | grep -v '^stage' | sed 's/\.sh$//' | tr '\n' ' '))" >&2
+if [ -z "$job" ] || [ "$job" = stage ] || [ "$job" = cupti_env ] || [ ! -e "$here/gpu/$job.sh" ]; then
+  # gpu/stage.sh is not a job: it runs on the workstation, before (see benchmarks/README.md); cupti_env.sh is sourced
+  echo "usage: bash benchmarks/gpu_run.sh JOB   (JOB: $(cd "$here/gpu" && ls *.sh | grep -v -e '^stage' -e '^cupti_env' | sed 's/\.sh$//' | tr '\n' ' '))" >&2
   exit 2
 fi
 shift

@@ -23,13 +23,7 @@ mkdir -p "$OUT"
 main() {
 . benchmarks/gpu_setup.sh || exit $?
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-if ! $PY -c "import cupti" 2>/dev/null && ls .device-b/whl/cupti_python-*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-      .device-b/whl/cupti_python-*.whl .device-b/whl/pyelftools-*.whl 2>&1 | tail -2
-fi
-cupti_lib=$($PY -c "import glob, site, os; l = [p for d in site.getsitepackages() for p in glob.glob(d + '/nvidia/**/libcupti.so*', recursive=True)]; print(os.path.dirname(l[0]) if l else '')" 2>/dev/null)
-[ -n "$cupti_lib" ] || cupti_lib=$(ls -d /usr/local/cuda/extras/CUPTI/lib64 2>/dev/null | head -1)
-[ -n "$cupti_lib" ] && export LD_LIBRARY_PATH=$cupti_lib:${LD_LIBRARY_PATH:-}
+. benchmarks/gpu/cupti_env.sh
 args="--shapes 2b --batches 1 --loops engine,generate_step --repeats ${GPU_CPU_STEP_REPEATS:-5}"
 t0=$(date +%s)
 last=0
@@ -54,7 +48,7 @@ for f in sorted(glob.glob(f"{sys.argv[1]}/*_*.json")):
     mode = f.rsplit("/", 1)[1].split("_")[0]
     row = json.load(open(f))["shapes"][0]["rows"][0]
     e, g = row["engine"], row["generate_step"]
-    r = (e["cpu_ms"], e["thread_cpu_ms"], g["cpu_ms"], e["cpu_ms"] / g["cpu_ms"], e.get("busy_ms"), e.get("kernels"))
+    r = (e["cpu_ms"], e["thread_cpu_ms"], g["cpu_ms"], e["cpu_ms"] / g["cpu_ms"], e.get("device_busy_ms"), e.get("kernels_per_step"))
     by.setdefault(mode, []).append(r)
     print(f"gpu_cpu_step: {f.rsplit('/', 1)[1]} engine cpu {r[0]:.2f} ms (main thread {r[1]:.2f}), "
           f"generate_step cpu {r[2]:.2f} ms, ratio {r[3]:.3f}, step {e['step_ms']:.2f} ms, busy {r[4]}, kernels {r[5]}")

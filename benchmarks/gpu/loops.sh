@@ -33,16 +33,7 @@ mkdir -p "$OUT"
 main() {
 . benchmarks/gpu_setup.sh || exit $?
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-# cupti-python staged after the machine's first setup: install it now
-if ! $PY -c "import cupti" 2>/dev/null && ls .device-b/whl/cupti_python-*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-      .device-b/whl/cupti_python-*.whl .device-b/whl/pyelftools-*.whl 2>&1 | tail -2
-fi
-# libcupti: the image's nvidia-cuda-cupti wheel (torch's CUDA), else the CUDA toolkit's
-cupti_lib=$($PY -c "import glob, site, os; l = [p for d in site.getsitepackages() for p in glob.glob(d + '/nvidia/**/libcupti.so*', recursive=True)]; print(os.path.dirname(l[0]) if l else '')" 2>/dev/null)
-[ -n "$cupti_lib" ] || cupti_lib=$(ls -d /usr/local/cuda/extras/CUPTI/lib64 2>/dev/null | head -1)
-[ -n "$cupti_lib" ] && export LD_LIBRARY_PATH=$cupti_lib:${LD_LIBRARY_PATH:-}
-$PY -c "from cupti import cupti; print('gpu_loops: cupti-python imports (libcupti from', '${cupti_lib:-its default}', ')')" 2>&1 | tail -1
+. benchmarks/gpu/cupti_env.sh
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
 moe_layers=0
 if [ "${mem_mib:-0}" -lt 100000 ]; then moe_layers=${GPU_LOOPS_MOE_LAYERS:-28}; fi
