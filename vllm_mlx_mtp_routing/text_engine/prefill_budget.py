@@ -387,12 +387,13 @@ def step_limit_s(scheduler: Any) -> float | None:
     return limits[1]
 
 
-def more_prefill(scheduler: Any, tokens_after: int, started: float, last_chunk_s: float) -> bool:
-    """May this step run another prefill chunk (``tokens_after`` tokens in all, ``started`` its first)?"""
+def more_prefill(scheduler: Any, tokens_after: int, started: float, next_s: float) -> bool:
+    """May this step run another prefill item (``tokens_after`` tokens in all, ``started`` its first) expected to take
+    ``next_s``?"""
     if tokens_after > scheduler.prefill_step_size:
         return False
     limit = step_limit_s(scheduler)
-    return limit is None or time.perf_counter() - started + last_chunk_s <= limit
+    return limit is None or time.perf_counter() - started + next_s <= limit
 
 
 def note_decode_step(scheduler: Any, seconds: float) -> None:

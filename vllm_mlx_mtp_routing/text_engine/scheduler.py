@@ -244,7 +244,8 @@ class BatchScheduler:
                 while row.prefilled < row.to_prefill:
                     # a later piece of this step is sized to what the budget leaves, and checked by its projection
                     work = self._next_work(row, time.perf_counter() - started if done else 0.0)
-                    if done and not prefill_budget.more_prefill(self, done + work.tokens, started, self._projected_s(work, last)):
+                    if done and not prefill_budget.more_prefill(self, done + work.tokens, started,
+                                                                self._projected_s(work, last)):
                         break
                     cpu = time.process_time()
                     (ran,) = self.runner.prefill([work])
