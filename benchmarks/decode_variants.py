@@ -16,7 +16,11 @@ not (a GPU), or again:
   (model/kernels/gated_delta_layer.py, CUDA) against the ops and the conv and recurrence kernels (its values agree
   to rounding, so ``tokens_equal`` may be false on random weights);
 - ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
-  started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read.
+  started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read;
+- ``kept_states``: MTP steps, the rollback's gated-delta states and conv windows of every layer in one kernel
+  (model/kernels/kept_states.py, CUDA) against a gather or select and a gather a layer.
+
+MTP options draft ``--draft-tokens`` a step (default 1).
 
 The model takes the engine's layers for the device (the compiled step where ``swaps.compiled_decode_devices`` has it);
 per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
@@ -48,7 +52,7 @@ from lib.provenance import commit, device, versions  # noqa: E402
 from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer, kept_states  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
@@ -57,11 +61,12 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early",
+           "kept_states")
 
 
-def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) -> BatchScheduler:
-    decode = ForcedAcceptanceDecode(head, 0.8, k=1, adaptive=False, seed=B) if mtp else None
+def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k: int = 1) -> BatchScheduler:
+    decode = ForcedAcceptanceDecode(head, 0.8, k=k, adaptive=False, seed=B) if mtp else None
     sched = BatchScheduler(model, tok, max_num_seqs=B, prefill_step_size=4096, eos_token_ids=[], decode=decode)
     sched.eos_ids = set()  # the rows never finish
     for i in range(B):
@@ -73,7 +78,9 @@ def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool) ->
 
 # Options that are this device's membership of a kernel's device set (read at each call: a test may swap the set)
 DEVICE_SETS = {"conv_step": lambda: causal_conv.conv_step_devices,
-               "fused_layer": lambda: gated_delta_layer.fused_layer_devices}
+               "fused_layer": lambda: gated_delta_layer.fused_layer_devices,
+               "kept_states": lambda: kept_states.kept_states_devices}
+MTP_DEVICE_SETS = ("kept_states",)
 _detached: dict[int, dict] = {}  # the fused projections taken off a model while its "off" side runs
 
 
@@ -106,14 +113,16 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
     return (time.perf_counter() - tic) / n, (time.process_time() - cpu) / n
 
 
-def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", *DEVICE_SETS)
+def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int,
+            k: int = 1) -> dict:
+    plain = ("compiled_decode", "fused_projections", *(o for o in DEVICE_SETS if o not in MTP_DEVICE_SETS))
+    mtp = option not in plain
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     devices = {name: set(members()) for name, members in DEVICE_SETS.items()}  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
-        scheds = {on: scheduler(model, head, tok, rows, B, mtp) for on in (False, True)}
+        scheds = {on: scheduler(model, head, tok, rows, B, mtp, k) for on in (False, True)}
         for on in (False, True):  # warm-up: each side's kernels compiled, its graphs traced
             switch(option, model, scheds[on], on)
             steps(scheds[on], 3)
@@ -135,7 +144,7 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         retrace(model.model.layers)
     ratio = lambda xs: statistics.median(a / b for a, b in zip(xs[True], xs[False]))  # noqa: E731
     return {
-        "batch": B, "option": option, "rounds": rounds, "block": block,
+        "batch": B, "option": option, "rounds": rounds, "block": block, "draft_tokens": k if mtp else 0,
         "on_over_off_wall": round(ratio(wall), 4), "on_over_off_cpu": round(ratio(cpu), 4),
         "off_ms": round(1e3 * statistics.median(wall[False]), 3), "on_ms": round(1e3 * statistics.median(wall[True]), 3),
         "off_cpu_ms": round(1e3 * statistics.median(cpu[False]), 3), "on_cpu_ms": round(1e3 * statistics.median(cpu[True]), 3),
@@ -154,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--options", default=",".join(OPTIONS))
+    ap.add_argument("--draft-tokens", type=int, default=1, help="drafts a step for the MTP options")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     for option in options:
         for B in batches:
             try:
-                row = measure(option, model, head, tok, rows, B, a.rounds, a.block)
+                row = measure(option, model, head, tok, rows, B, a.rounds, a.block, a.draft_tokens)
             except Exception as e:  # an option that fails here is a finding too: the others still run
                 row = {"batch": B, "option": option, "error": f"{type(e).__name__}: {e}"}
             result["rows"].append(row)
