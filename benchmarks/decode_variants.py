@@ -92,7 +92,8 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
     elif option in DEVICE_SETS:
         devices = DEVICE_SETS[option]()
         (devices.add if on else devices.discard)(kind())
-        retrace(model.model.layers)  # a compiled step traced one way: traced again
+        if option not in MTP_DEVICE_SETS:  # the rollback is not traced into a compiled step
+            retrace(model.model.layers)  # a compiled step traced one way: traced again
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
