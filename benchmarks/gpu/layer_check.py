@@ -35,8 +35,8 @@ def core(lin, x, conv_state, state, capture=False, fused=True):
     devices = set(fused_layer.fused_layer_devices)
     try:
         (fused_layer.fused_layer_devices.add if fused else fused_layer.fused_layer_devices.discard)(kind())
-        out, conv_input, final, states = backbone._layer_core(lin, x, conv_state, state, None, capture,
-                                                              window_only=not capture)
+        out, conv_input, _, final, states = backbone._layer_core(lin, x, conv_state, state, None, capture,
+                                                                 window_only=not capture)
     finally:
         fused_layer.fused_layer_devices.clear()
         fused_layer.fused_layer_devices.update(devices)
@@ -119,16 +119,18 @@ def rollback_check(lin, qkv, a, b, cs, s) -> bool:
     """The rollback's one kernel (kernels/kept_states.py) against the ops (a gather a layer): the same bits, for
     three layers' kept states of three positions, rows keeping 1, 3 and 2 of them."""
     B = qkv.shape[0]
-    kept, conv = [], []
+    kept, conv, before, after = [], [], [], []
     for n in range(3):  # three "layers": the same layer from three states
-        st = s * (1 + n)
-        _, states, _ = fused_layer.gated_delta_layer(lin, qkv[:, :3], cs, a[:, :3], b[:, :3], st, True)
+        st, cs_n = s * (1 + n), cs * (1 + n)
+        _, states, window = fused_layer.gated_delta_layer(lin, qkv[:, :3], cs_n, a[:, :3], b[:, :3], st, True)
         kept.append(states)
-        conv.append(mx.concatenate([cs, qkv[:, :3]], axis=1))
+        conv.append(mx.concatenate([cs_n, qkv[:, :3]], axis=1))
+        before.append(cs_n)
+        after.append(window)
     last = mx.array([[0, 2, 1][i % 3] for i in range(B)], dtype=mx.int32)
-    if not kept_states.runs(kept, conv):
+    if not kept_states.runs(kept, before, after):
         return False
-    got_states, got_windows = kept_states.take(kept, conv, last)
+    got_states, got_windows = kept_states.take(kept, before, after, last)
     n_keep = cs.shape[1]
     pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
     want_states = [mx.take_along_axis(k, last[:, None, None, None, None], axis=1)[:, 0] for k in kept]

@@ -192,20 +192,21 @@ def _recurrence(
 def _layer_core(
     lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool,
     window_only: bool = False,
-) -> tuple[mx.array, mx.array, mx.array, Kept]:
+) -> tuple[mx.array, mx.array, mx.array, mx.array, Kept]:
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) as a function of its inputs and state ->
-    (output, the conv window input, the final recurrent state, with ``capture`` every state). ``window_only``: the
-    conv window's last positions only (the next conv state), from one kernel where it runs (causal_conv.conv_step)."""
+    (output, the conv window input, its last positions (the next conv state), the final recurrent state, with
+    ``capture`` every state). ``window_only``: the conv window's last positions only, from one kernel where it runs
+    (causal_conv.conv_step); the window input returned is then those."""
     B, S, _ = x.shape
     qkv, z, b, a = project(lin, GATED_DELTA_INPUTS, x)
     z = z.reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     if fused_layer.runs(lin, qkv, conv_state, mask) and (not capture or _active[0] is _recurrence_fused):
         state = zero_state(lin, B) if state is None else state
         y, kept, window = fused_layer.gated_delta_layer(lin, qkv, conv_state, a, b, state, capture)
-        # the window's end is the next conv state; the verify's rollback and per-row lengths read the whole window
+        # per-row lengths and the rollback off CUDA read the whole window input; built only where read
         conv_input = window if window_only else mx.concatenate([conv_state, qkv], axis=1)
         final, states = (kept[:, -1], kept) if capture else (kept, cast(Kept, []))
-        return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, final, states
+        return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, window, final, states
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     if window_only:
@@ -228,10 +229,11 @@ def _layer_core(
         y, final = _recurrence(lin, q, k, v, a, b, state, mask)
         states = []
     out = lin.norm(y, z)
-    return lin.out_proj(out.reshape(B, S, -1)), conv_input, final, states
+    window = conv_input[:, -(lin.conv_kernel_size - 1) :, :]
+    return lin.out_proj(out.reshape(B, S, -1)), conv_input, window, final, states
 
 
-_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, Kept]]] = {}
+_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, mx.array, Kept]]] = {}
 
 
 def gated_delta_layer(
@@ -251,19 +253,19 @@ def gated_delta_layer(
         core = _compiled_cores.get(id(lin))
         if core is None:
             core = _compiled_cores[id(lin)] = mx.compile(functools.partial(_layer_core, lin, mask=None, capture=True))
-        out, conv_input, final, states = core(x, conv_state, state)
+        out, conv_input, window, final, states = core(x, conv_state, state)
     else:
         # Without capture, over a cache without per-row lengths, only the window's end is kept: one kernel where
         # causal_conv.conv_step runs (then "conv_input" returned is that end).
         window_only = (not capture and mask is None and cache is not None and cache.lengths is None
                        and step_runs(lin.conv1d, conv_state, S))
-        out, conv_input, final, states = _layer_core(lin, x, conv_state, state, mask, capture, window_only)
+        out, conv_input, window, final, states = _layer_core(lin, x, conv_state, state, mask, capture, window_only)
     if cache is not None:
         if cache.lengths is not None:
             ends = mx.clip(cache.lengths, 0, S)
             cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
         else:
-            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+            cache[0] = mx.contiguous(window)
         cache[1] = final
         cache.advance(S)
     return out, conv_input, states
@@ -283,6 +285,10 @@ class Captured:
     cache: Any  # the layer's ArraysCache
     conv_input: mx.array  # [B, n_keep + S, C]
     states: Kept  # recurrent state after each of the S positions
+    # The conv windows before and after the S positions ([B, n_keep, C] each): where S <= n_keep they cover the
+    # window input, which the rollback's kernel then reads from them (kept_states.py) and is never built.
+    before: mx.array | None = None
+    after: mx.array | None = None
 
 
 def backbone_forward(
@@ -315,13 +321,14 @@ def backbone_forward(
         elif not capture:
             h = layer(h, mask=ssm_mask, cache=c)
         else:
+            before = c[0] if c is not None else None
             if isinstance(layer, CompiledDecoderLayer) and plain_cache(c) and not _compile_layers[0]:
                 h, conv_input, states = _compiled_verify_layer(layer, h, c)
             else:
                 r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c,
                                                           capture=True)
                 h = layer_tail(layer, h, r)
-            captured.append(Captured(c, conv_input, states))
+            captured.append(Captured(c, conv_input, states, before, c[0] if c is not None else None))
     post = inner.norm(h)
     out = lm_head(model, post) if logits else None
     return out, (h if hidden_state_mode == "pre_norm" else post), captured
@@ -337,8 +344,8 @@ def _compiled_verify_layer(layer: CompiledDecoderLayer, h: mx.array, cache: Any)
     core = _verify_cores.get(_active[0])
     if core is None:
         core = _verify_cores[_active[0]] = functools.partial(_layer_core, mask=None, capture=True)
-    h, conv_input, final, states = layer.verify_step(h, cache[0], cache[1], core)
-    cache[0] = mx.contiguous(conv_input[:, -(layer.linear_attn.conv_kernel_size - 1) :, :])
+    h, conv_input, window, final, states = layer.verify_step(h, cache[0], cache[1], core)
+    cache[0] = mx.contiguous(window)
     cache[1] = final
     cache.advance(h.shape[1])
     return h, conv_input, states
@@ -366,9 +373,11 @@ def rollback_rows(layers: Sequence[Any], captured: list[Captured], keep: list[in
     kept = [cap.states for cap in captured]
     if all(isinstance(s, mx.array) for s in kept):
         arrays = cast("list[mx.array]", kept)
-        conv_inputs = [cap.conv_input for cap in captured]
-        if kept_states.runs(arrays, conv_inputs):  # every layer's in one launch
-            states, windows = kept_states.take(arrays, conv_inputs, last)
+        before = [cap.before for cap in captured]
+        after = [cap.after for cap in captured]
+        if kept_states.runs(arrays, before, after):  # every layer's in one launch
+            states, windows = kept_states.take(arrays, cast("list[mx.array]", before), cast("list[mx.array]", after),
+                                               last)
             for cap, state, window in zip(captured, states, windows):
                 cap.cache[1], cap.cache[0] = state, window
             return
