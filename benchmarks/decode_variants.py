@@ -6,8 +6,8 @@ not (a GPU), or again:
 
 - ``compiled_decode``: plain steps, the gated-delta decoder layers' compiled one-token step
   (model/kernels/compiled_decode.py) against mlx-lm's layer;
-- ``compiled_verify``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the verify's gated-delta
-  decoder layers compiled (the same swap) against the package's uncompiled verify layer;
+- ``compiled_verify``: MTP steps (``--draft-tokens`` drafts, default 1, every step, acceptance forced to 0.8), the
+  verify's gated-delta decoder layers compiled (the same swap) against the package's uncompiled verify layer;
 - ``fused_projections``: plain steps, projections of one input run as one matmul (model/kernels/fused_projections.py)
   against part by part, on the same weights;
 - ``conv_step``: plain steps, the gated-delta layers' conv and its next window in one kernel
@@ -15,12 +15,9 @@ not (a GPU), or again:
 - ``fused_layer``: plain steps, the gated-delta layers' conv, gates, head norms and recurrence in one kernel
   (model/kernels/gated_delta_layer.py, CUDA) against the ops and the conv and recurrence kernels (its values agree
   to rounding, so ``tokens_equal`` may be false on random weights);
-- ``launch_early``: MTP steps (k = 1, drafting every step, acceptance forced to 0.8), the drafts and the verify
-  started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the acceptance's read;
-- ``kept_states``: MTP steps, the rollback's gated-delta states and conv windows of every layer in one kernel
-  (model/kernels/kept_states.py, CUDA) against a gather or select and a gather a layer.
-
-MTP options draft ``--draft-tokens`` a step (default 1).
+- ``launch_early``: MTP steps (``--draft-tokens`` drafts, default 1, every step, acceptance forced to 0.8), the drafts
+  and the verify started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the
+  acceptance's read.
 
 The model takes the engine's layers for the device (the compiled step where ``swaps.compiled_decode_devices`` has it);
 per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
@@ -52,7 +49,7 @@ from lib.provenance import commit, device, versions  # noqa: E402
 from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer, kept_states  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
@@ -61,8 +58,7 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early",
-           "kept_states")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k: int = 1) -> BatchScheduler:
@@ -78,9 +74,7 @@ def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k:
 
 # Options that are this device's membership of a kernel's device set (read at each call: a test may swap the set)
 DEVICE_SETS = {"conv_step": lambda: causal_conv.conv_step_devices,
-               "fused_layer": lambda: gated_delta_layer.fused_layer_devices,
-               "kept_states": lambda: kept_states.kept_states_devices}
-MTP_DEVICE_SETS = ("kept_states",)
+               "fused_layer": lambda: gated_delta_layer.fused_layer_devices}
 _detached: dict[int, dict] = {}  # the fused projections taken off a model while its "off" side runs
 
 
@@ -92,8 +86,7 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
     elif option in DEVICE_SETS:
         devices = DEVICE_SETS[option]()
         (devices.add if on else devices.discard)(kind())
-        if option not in MTP_DEVICE_SETS:  # the rollback is not traced into a compiled step
-            retrace(model.model.layers)  # a compiled step traced one way: traced again
+        retrace(model.model.layers)  # a compiled step traced one way: traced again
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -116,8 +109,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int,
             k: int = 1) -> dict:
-    plain = ("compiled_decode", "fused_projections", *(o for o in DEVICE_SETS if o not in MTP_DEVICE_SETS))
-    mtp = option not in plain
+    mtp = option not in ("compiled_decode", "fused_projections", *DEVICE_SETS)
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     devices = {name: set(members()) for name, members in DEVICE_SETS.items()}  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}

@@ -15,12 +15,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernels import gated_delta_layer as fused_layer, kept_states
+from .kernels import gated_delta_layer as fused_layer
 from .kernels.causal_conv import conv1d, conv_step, step_runs
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, layer_tail, plain_cache
 from .kernels.device import on_cuda, on_metal
@@ -46,10 +46,7 @@ def lm_head(text_model: Any, h: mx.array) -> mx.array:
     return text_model.lm_head(h)
 
 
-# The state after each of S positions: one [B, S, Hv, Dv, Dk] array where a kernel keeps them together (CUDA), else
-# one [B, Hv, Dv, Dk] array a position (a Metal kernel or a step a position).
-Kept = list[mx.array] | mx.array
-Recurrence = Callable[..., tuple[mx.array, Kept]]
+Recurrence = Callable[..., tuple[mx.array, list[mx.array]]]
 
 
 def zero_state(lin: nn.Module, batch: int) -> mx.array:
@@ -90,13 +87,14 @@ def _recurrence_loop(
 def _recurrence_fused(
     lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
     mask: mx.array | None = None,
-) -> tuple[mx.array, Kept]:
+) -> tuple[mx.array, list[mx.array]]:
     """CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept;
     elsewhere mlx-lm's loop."""
     if lin.training or not on_cuda():
         return _recurrence_loop(lin, q, k, v, a, b, state, mask)
-    return gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state, mask=mask,
-                             capture=True)
+    y, states = gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state,
+                                  mask=mask, capture=True)
+    return y, [states[:, t] for t in range(q.shape[1])]
 
 
 @functools.cache
@@ -166,7 +164,7 @@ def _recurrence_with_states(
     b: mx.array,
     state: mx.array | None,
     mask: mx.array | None = None,
-) -> tuple[mx.array, Kept]:
+) -> tuple[mx.array, list[mx.array]]:
     """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
 
     q, k [B, S, Hk, Dk] (normalized, scaled), v [B, S, Hv, Dv], a, b [B, S, Hv] (the raw gate
@@ -192,21 +190,20 @@ def _recurrence(
 def _layer_core(
     lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool,
     window_only: bool = False,
-) -> tuple[mx.array, mx.array, mx.array, mx.array, Kept]:
+) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) as a function of its inputs and state ->
-    (output, the conv window input, its last positions (the next conv state), the final recurrent state, with
-    ``capture`` every state). ``window_only``: the conv window's last positions only, from one kernel where it runs
-    (causal_conv.conv_step); the window input returned is then those."""
+    (output, the conv window input, the final recurrent state, with ``capture`` every state). ``window_only``: the
+    conv window's last positions only (the next conv state), from one kernel where it runs (causal_conv.conv_step)."""
     B, S, _ = x.shape
     qkv, z, b, a = project(lin, GATED_DELTA_INPUTS, x)
     z = z.reshape(B, S, lin.num_v_heads, lin.head_v_dim)
     if fused_layer.runs(lin, qkv, conv_state, mask) and (not capture or _active[0] is _recurrence_fused):
         state = zero_state(lin, B) if state is None else state
         y, kept, window = fused_layer.gated_delta_layer(lin, qkv, conv_state, a, b, state, capture)
-        # per-row lengths and the rollback off CUDA read the whole window input; built only where read
+        # the window's end is the next conv state; the verify's rollback and per-row lengths read the whole window
         conv_input = window if window_only else mx.concatenate([conv_state, qkv], axis=1)
-        final, states = (kept[:, -1], kept) if capture else (kept, cast(Kept, []))
-        return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, window, final, states
+        final, states = (kept[:, -1], [kept[:, t] for t in range(S)]) if capture else (kept, [])
+        return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, final, states
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     if window_only:
@@ -224,21 +221,20 @@ def _layer_core(
     k = inv_scale * qk[:, :, Hk:]
     if capture:
         y, states = _recurrence_with_states(lin, q, k, v, a, b, state, mask)
-        final = states[:, -1] if isinstance(states, mx.array) else states[-1]
+        final = states[-1]
     else:
         y, final = _recurrence(lin, q, k, v, a, b, state, mask)
         states = []
     out = lin.norm(y, z)
-    window = conv_input[:, -(lin.conv_kernel_size - 1) :, :]
-    return lin.out_proj(out.reshape(B, S, -1)), conv_input, window, final, states
+    return lin.out_proj(out.reshape(B, S, -1)), conv_input, final, states
 
 
-_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, mx.array, Kept]]] = {}
+_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, list[mx.array]]]] = {}
 
 
 def gated_delta_layer(
     lin: nn.Module, x: mx.array, mask: mx.array | None, cache: Any, capture: bool = False
-) -> tuple[mx.array, mx.array, Kept]:
+) -> tuple[mx.array, mx.array, list[mx.array]]:
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) with the recurrence chosen above, updating
     ``cache`` -> (output, the conv window input, with ``capture`` the recurrent state after every
     position). With ``use_recurrence("compiled_layer")`` the verify's layer (capture, no mask) is
@@ -253,19 +249,19 @@ def gated_delta_layer(
         core = _compiled_cores.get(id(lin))
         if core is None:
             core = _compiled_cores[id(lin)] = mx.compile(functools.partial(_layer_core, lin, mask=None, capture=True))
-        out, conv_input, window, final, states = core(x, conv_state, state)
+        out, conv_input, final, states = core(x, conv_state, state)
     else:
         # Without capture, over a cache without per-row lengths, only the window's end is kept: one kernel where
         # causal_conv.conv_step runs (then "conv_input" returned is that end).
         window_only = (not capture and mask is None and cache is not None and cache.lengths is None
                        and step_runs(lin.conv1d, conv_state, S))
-        out, conv_input, window, final, states = _layer_core(lin, x, conv_state, state, mask, capture, window_only)
+        out, conv_input, final, states = _layer_core(lin, x, conv_state, state, mask, capture, window_only)
     if cache is not None:
         if cache.lengths is not None:
             ends = mx.clip(cache.lengths, 0, S)
             cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
         else:
-            cache[0] = mx.contiguous(window)
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
         cache[1] = final
         cache.advance(S)
     return out, conv_input, states
@@ -284,11 +280,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 class Captured:
     cache: Any  # the layer's ArraysCache
     conv_input: mx.array  # [B, n_keep + S, C]
-    states: Kept  # recurrent state after each of the S positions
-    # The conv windows before and after the S positions ([B, n_keep, C] each): where S <= n_keep they cover the
-    # window input, which the rollback's kernel then reads from them (kept_states.py) and is never built.
-    before: mx.array | None = None
-    after: mx.array | None = None
+    states: list[mx.array]  # recurrent state after each of the S positions
 
 
 def backbone_forward(
@@ -321,14 +313,13 @@ def backbone_forward(
         elif not capture:
             h = layer(h, mask=ssm_mask, cache=c)
         else:
-            before = c[0] if c is not None else None
             if isinstance(layer, CompiledDecoderLayer) and plain_cache(c) and not _compile_layers[0]:
                 h, conv_input, states = _compiled_verify_layer(layer, h, c)
             else:
                 r, conv_input, states = gated_delta_layer(layer.linear_attn, layer.input_layernorm(h), None, c,
                                                           capture=True)
                 h = layer_tail(layer, h, r)
-            captured.append(Captured(c, conv_input, states, before, c[0] if c is not None else None))
+            captured.append(Captured(c, conv_input, states))
     post = inner.norm(h)
     out = lm_head(model, post) if logits else None
     return out, (h if hidden_state_mode == "pre_norm" else post), captured
@@ -338,14 +329,14 @@ def backbone_forward(
 _verify_cores: dict[Recurrence, Core] = {}
 
 
-def _compiled_verify_layer(layer: CompiledDecoderLayer, h: mx.array, cache: Any) -> tuple[mx.array, mx.array, Kept]:
+def _compiled_verify_layer(layer: CompiledDecoderLayer, h: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
     """The verify's decoder layer as one compiled graph (compiled_decode.py), updating ``cache`` as
     ``gated_delta_layer`` does -> (output, the conv window input, the recurrent state after every position)."""
     core = _verify_cores.get(_active[0])
     if core is None:
         core = _verify_cores[_active[0]] = functools.partial(_layer_core, mask=None, capture=True)
-    h, conv_input, window, final, states = layer.verify_step(h, cache[0], cache[1], core)
-    cache[0] = mx.contiguous(window)
+    h, conv_input, final, states = layer.verify_step(h, cache[0], cache[1], core)
+    cache[0] = mx.contiguous(conv_input[:, -(layer.linear_attn.conv_kernel_size - 1) :, :])
     cache[1] = final
     cache.advance(h.shape[1])
     return h, conv_input, states
@@ -369,27 +360,13 @@ def rollback_rows(layers: Sequence[Any], captured: list[Captured], keep: list[in
         return
     B = len(keep)
     # Built once for all layers (each op is a launch, and a launch-bound GPU pays per launch).
-    last = mx.array([n - 1 for n in keep], dtype=mx.int32)
-    kept = [cap.states for cap in captured]
-    if all(isinstance(s, mx.array) for s in kept):
-        arrays = cast("list[mx.array]", kept)
-        before = [cap.before for cap in captured]
-        after = [cap.after for cap in captured]
-        if kept_states.runs(arrays, before, after):  # every layer's in one launch
-            states, windows = kept_states.take(arrays, cast("list[mx.array]", before), cast("list[mx.array]", after),
-                                               last)
-            for cap, state, window in zip(captured, states, windows):
-                cap.cache[1], cap.cache[0] = state, window
-            return
+    last = mx.array([n - 1 for n in keep])
     first = (last == 0)[:, None, None, None]
     rows = mx.arange(B)
     n_keep = captured[0].conv_input.shape[1] - fed
     pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
-    at = last[:, None, None, None, None]
     for cap in captured:
-        if isinstance(cap.states, mx.array):  # [B, S, ...]: one gather
-            cap.cache[1] = mx.take_along_axis(cap.states, at, axis=1)[:, 0]
-        elif fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
+        if fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
             cap.cache[1] = mx.where(first, cap.states[0], cap.states[1])
         else:
             cap.cache[1] = mx.stack(cap.states)[last, rows]

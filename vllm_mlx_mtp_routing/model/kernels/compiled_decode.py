@@ -26,11 +26,10 @@ from ..mlx_lm_internals import ArraysCache, DecoderLayer
 from .retype import retype
 
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
-# (the gated-delta layer, its normed input, conv state, recurrent state) -> (output, conv window input, its last
-# positions, final state, the state after each position): backbone._layer_core with capture
-# (one [B, S, ...] array, or one array a position: backbone.Kept)
-Core = Callable[[Any, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, mx.array, Any]]
-VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, mx.array, Any]]
+# (the gated-delta layer, its normed input, conv state, recurrent state) -> (output, conv window input, final state,
+# the state after each position): backbone._layer_core with capture
+Core = Callable[[Any, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, list[mx.array]]]
+VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, list[mx.array]]]
 
 
 def layer_tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
@@ -48,9 +47,9 @@ def _layer_step(layer: DecoderLayer, x: mx.array, conv_state: mx.array, state: m
 
 
 def _verify_layer(layer: DecoderLayer, core: Core, h: mx.array, conv_state: mx.array,
-                  state: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array, Any]:
-    r, conv_input, window, final, states = core(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
-    return layer_tail(layer, h, r), conv_input, window, final, states
+                  state: mx.array) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
+    r, conv_input, final, states = core(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
+    return layer_tail(layer, h, r), conv_input, final, states
 
 
 def plain_cache(cache: Any) -> bool:
@@ -77,10 +76,9 @@ class CompiledDecoderLayer(DecoderLayer):
         return out
 
     def verify_step(self, h: mx.array, conv_state: mx.array, state: mx.array,
-                    core: Core) -> tuple[mx.array, mx.array, mx.array, mx.array, Any]:
+                    core: Core) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
         """The verify's whole layer (norms, the gated-delta layer through ``core``, the MLP, the residuals) compiled,
-        one graph per ``core`` (the active recurrence) -> (output, conv window input, its last positions, final
-        state, every state)."""
+        one graph per ``core`` (the active recurrence) -> (output, conv window input, final state, every state)."""
         steps: dict[Core, VerifyStep] = self.__dict__.setdefault("_verify_steps", {})
         step = steps.get(core)
         if step is None:
