@@ -13,8 +13,8 @@ Per shape and batch size B, in one process, with B rows decoding and none finish
 ``--repeats`` blocks of ``--steps`` steps, the loops alternating block by block, and the median block is reported
 with its CPU seconds per step (``time.process_time``: graph build + encoding/launching, and on MLX's CPU backend the
 compute itself) and the main thread's (``time.thread_time``). On CUDA one more block per loop reads the device's
-busy time per step and its kernels per step from CUPTI (lib/device_busy.py; n/a without cupti-python, and on the
-CPU, where the device is the CPU). The bandwidth bound of a step is the bytes it must read over the memory
+busy time per step and its kernels per step from CUPTI, with the most launched kernels and those that took the most
+device time, by name (lib/device_busy.py; n/a without cupti-python, and on the CPU, where the device is the CPU). The bandwidth bound of a step is the bytes it must read over the memory
 bandwidth: every weight a token touches (lm_head whole, the embedding's B rows; MoE: the routed experts the step
 actually touched, counted on one engine step, plus the shared expert), the KV cache of the attention layers at the
 context length and the gated-delta layers' state.
@@ -324,6 +324,11 @@ def per_step_names(busy: DeviceBusy, steps: int, top: int = 40) -> dict[str, flo
     return {name: round(n / steps, 2) for name, n in busy.kernel_names.most_common(top)}
 
 
+def per_step_times(busy: DeviceBusy, steps: int, top: int = 25) -> dict[str, float]:
+    """The last traced window's kernels that took the most device time, in ms per step: where a step's busy time goes."""
+    return {name: round(1e3 * t / steps, 4) for name, t in busy.kernel_seconds.most_common(top)}
+
+
 def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw: float) -> dict:
     names = [n for n in a.loops if n != "generate_step" or B == 1]
     prompts = prompts_for(loaded, B, a.prompt_tokens)
@@ -359,6 +364,7 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
                 row[name]["device_busy_ms"] = round(1e3 * got[0] / a.steps, 3)
                 row[name]["kernels_per_step"] = round(got[1] / a.steps, 1)
                 row[name]["kernels_per_step_by_name"] = per_step_names(busy, a.steps)
+                row[name]["device_ms_per_step_by_name"] = per_step_times(busy, a.steps)
     distinct: list[int] = []
     if loaded.config.get("num_experts"):
         # mlx-lm's classes for this one step: the engine's compiled layers would not call the switch from Python
@@ -477,6 +483,7 @@ def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: Devic
                 row[f"{name}_device_busy_ms"] = round(traced["device_busy_ms"], 3)
                 row[f"{name}_kernels_per_step"] = round(traced["kernels_per_step"], 1)
                 row[f"{name}_kernels_per_step_by_name"] = per_step_names(busy, a.mtp_steps)
+                row[f"{name}_device_ms_per_step_by_name"] = per_step_times(busy, a.mtp_steps)
         row["traced_s"] = round(time.perf_counter() - t_traced, 1)
     return row
 

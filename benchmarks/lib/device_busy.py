@@ -29,6 +29,7 @@ class DeviceBusy:
         self._cupti: Any = None
         self._records: list[tuple[int, int, str | None]] = []  # (start ns, end ns, the kernel's name; None: not a kernel)
         self.kernel_names: collections.Counter[str] = collections.Counter()  # of the last window's kernels
+        self.kernel_seconds: collections.Counter[str] = collections.Counter()  # their device time, by name
         self._lock = threading.Lock()
         self._t0 = 0
         self._collecting = False
@@ -120,4 +121,8 @@ class DeviceBusy:
                 busy += e - max(s, end)
                 end = e
         self.kernel_names = collections.Counter(r[2] for r in records if r[2] is not None)
+        self.kernel_seconds = collections.Counter()
+        for s, e, k in records:
+            if k is not None:
+                self.kernel_seconds[k] += (e - s) / 1e9
         return busy / 1e9, sum(self.kernel_names.values())
