@@ -17,7 +17,9 @@ not (a GPU), or again:
   to rounding, so ``tokens_equal`` may be false on random weights);
 - ``launch_early``: MTP steps (``--draft-tokens`` drafts, default 1, every step, acceptance forced to 0.8), the drafts
   and the verify started on the device as soon as each graph is built (``ModelRunner.launch_early``) against at the
-  acceptance's read.
+  acceptance's read;
+- ``kept_array``: MTP steps, the verify's kept gated-delta states left as the kernel's one array, the rollback
+  gathering the kept ones (``backbone.kept_array_devices``, CUDA) against one array a position, stacked to gather.
 
 The model takes the engine's layers for the device (the compiled step where ``swaps.compiled_decode_devices`` has it);
 per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
@@ -49,6 +51,7 @@ from lib.provenance import commit, device, versions  # noqa: E402
 from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
+from vllm_mlx_mtp_routing.model import backbone  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
@@ -58,7 +61,8 @@ from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
-OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early")
+OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early",
+           "kept_array")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k: int = 1) -> BatchScheduler:
@@ -74,7 +78,9 @@ def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k:
 
 # Options that are this device's membership of a kernel's device set (read at each call: a test may swap the set)
 DEVICE_SETS = {"conv_step": lambda: causal_conv.conv_step_devices,
-               "fused_layer": lambda: gated_delta_layer.fused_layer_devices}
+               "fused_layer": lambda: gated_delta_layer.fused_layer_devices,
+               "kept_array": lambda: backbone.kept_array_devices}
+MTP_DEVICE_SETS = ("kept_array",)
 _detached: dict[int, dict] = {}  # the fused projections taken off a model while its "off" side runs
 
 
@@ -109,7 +115,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int,
             k: int = 1) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", *DEVICE_SETS)
+    mtp = option not in ("compiled_decode", "fused_projections", *(o for o in DEVICE_SETS if o not in MTP_DEVICE_SETS))
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     devices = {name: set(members()) for name, members in DEVICE_SETS.items()}  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}

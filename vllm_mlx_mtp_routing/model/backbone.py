@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +23,7 @@ import mlx.nn as nn
 from .kernels import gated_delta_layer as fused_layer
 from .kernels.causal_conv import conv1d, conv_step, step_runs
 from .kernels.compiled_decode import CompiledDecoderLayer, Core, layer_tail, plain_cache
-from .kernels.device import on_cuda, on_metal
+from .kernels.device import kind, on_cuda, on_metal
 from .kernels.fused_projections import GATED_DELTA_INPUTS, project
 from .kernels.recurrence import gated_delta_fused
 from .mlx_lm_internals import (
@@ -46,7 +46,18 @@ def lm_head(text_model: Any, h: mx.array) -> mx.array:
     return text_model.lm_head(h)
 
 
-Recurrence = Callable[..., tuple[mx.array, list[mx.array]]]
+# The state after each of S positions: one [B, S, Hv, Dv, Dk] array where a kernel keeps them together (CUDA), else
+# one [B, Hv, Dv, Dk] array a position (a Metal kernel or a step a position).
+Kept = list[mx.array] | mx.array
+Recurrence = Callable[..., tuple[mx.array, Kept]]
+
+# Where the kernels' kept states stay one array, so the rollback gathers only the kept ones: with two drafts a rollback
+# that stacked them first copied every state (benchmarks/decode_variants.py --options kept_array measures it).
+kept_array_devices: set[str] = {"cuda"}
+
+
+def _kept(states: mx.array) -> Kept:
+    return states if kind() in kept_array_devices else [states[:, t] for t in range(states.shape[1])]
 
 
 def zero_state(lin: nn.Module, batch: int) -> mx.array:
@@ -87,14 +98,14 @@ def _recurrence_loop(
 def _recurrence_fused(
     lin: nn.Module, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: mx.array,
     mask: mx.array | None = None,
-) -> tuple[mx.array, list[mx.array]]:
+) -> tuple[mx.array, Kept]:
     """CUDA: the fused kernel (recurrence.py), all positions in one launch with every state kept;
     elsewhere mlx-lm's loop."""
     if lin.training or not on_cuda():
         return _recurrence_loop(lin, q, k, v, a, b, state, mask)
-    y, states = gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state,
-                                  mask=mask, capture=True)
-    return y, [states[:, t] for t in range(q.shape[1])]
+    y, states = gated_delta_fused(q, k, v, compute_g(lin.A_log, a, lin.dt_bias), mx.sigmoid(b), state, mask=mask,
+                                  capture=True)
+    return y, _kept(states)
 
 
 @functools.cache
@@ -164,7 +175,7 @@ def _recurrence_with_states(
     b: mx.array,
     state: mx.array | None,
     mask: mx.array | None = None,
-) -> tuple[mx.array, list[mx.array]]:
+) -> tuple[mx.array, Kept]:
     """The gated-delta recurrence over S positions -> (y [B, S, Hv, Dv], the state after each).
 
     q, k [B, S, Hk, Dk] (normalized, scaled), v [B, S, Hv, Dv], a, b [B, S, Hv] (the raw gate
@@ -190,7 +201,7 @@ def _recurrence(
 def _layer_core(
     lin: nn.Module, x: mx.array, conv_state: mx.array, state: Any, mask: mx.array | None, capture: bool,
     window_only: bool = False,
-) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
+) -> tuple[mx.array, mx.array, mx.array, Kept]:
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) as a function of its inputs and state ->
     (output, the conv window input, the final recurrent state, with ``capture`` every state). ``window_only``: the
     conv window's last positions only (the next conv state), from one kernel where it runs (causal_conv.conv_step)."""
@@ -202,7 +213,7 @@ def _layer_core(
         y, kept, window = fused_layer.gated_delta_layer(lin, qkv, conv_state, a, b, state, capture)
         # the window's end is the next conv state; the verify's rollback and per-row lengths read the whole window
         conv_input = window if window_only else mx.concatenate([conv_state, qkv], axis=1)
-        final, states = (kept[:, -1], [kept[:, t] for t in range(S)]) if capture else (kept, [])
+        final, states = (kept[:, -1], _kept(kept)) if capture else (kept, cast(Kept, []))
         return lin.out_proj(lin.norm(y, z).reshape(B, S, -1)), conv_input, final, states
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
@@ -221,7 +232,7 @@ def _layer_core(
     k = inv_scale * qk[:, :, Hk:]
     if capture:
         y, states = _recurrence_with_states(lin, q, k, v, a, b, state, mask)
-        final = states[-1]
+        final = states[:, -1] if isinstance(states, mx.array) else states[-1]
     else:
         y, final = _recurrence(lin, q, k, v, a, b, state, mask)
         states = []
@@ -229,12 +240,12 @@ def _layer_core(
     return lin.out_proj(out.reshape(B, S, -1)), conv_input, final, states
 
 
-_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, list[mx.array]]]] = {}
+_compiled_cores: dict[int, Callable[..., tuple[mx.array, mx.array, mx.array, Kept]]] = {}
 
 
 def gated_delta_layer(
     lin: nn.Module, x: mx.array, mask: mx.array | None, cache: Any, capture: bool = False
-) -> tuple[mx.array, mx.array, list[mx.array]]:
+) -> tuple[mx.array, mx.array, Kept]:
     """mlx-lm's ``GatedDeltaNet.__call__`` (unsharded) with the recurrence chosen above, updating
     ``cache`` -> (output, the conv window input, with ``capture`` the recurrent state after every
     position). With ``use_recurrence("compiled_layer")`` the verify's layer (capture, no mask) is
@@ -280,7 +291,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 class Captured:
     cache: Any  # the layer's ArraysCache
     conv_input: mx.array  # [B, n_keep + S, C]
-    states: list[mx.array]  # recurrent state after each of the S positions
+    states: Kept  # recurrent state after each of the S positions
 
 
 def backbone_forward(
@@ -329,7 +340,7 @@ def backbone_forward(
 _verify_cores: dict[Recurrence, Core] = {}
 
 
-def _compiled_verify_layer(layer: CompiledDecoderLayer, h: mx.array, cache: Any) -> tuple[mx.array, mx.array, list[mx.array]]:
+def _compiled_verify_layer(layer: CompiledDecoderLayer, h: mx.array, cache: Any) -> tuple[mx.array, mx.array, Kept]:
     """The verify's decoder layer as one compiled graph (compiled_decode.py), updating ``cache`` as
     ``gated_delta_layer`` does -> (output, the conv window input, the recurrent state after every position)."""
     core = _verify_cores.get(_active[0])
@@ -360,13 +371,16 @@ def rollback_rows(layers: Sequence[Any], captured: list[Captured], keep: list[in
         return
     B = len(keep)
     # Built once for all layers (each op is a launch, and a launch-bound GPU pays per launch).
-    last = mx.array([n - 1 for n in keep])
+    last = mx.array([n - 1 for n in keep], dtype=mx.int32)
     first = (last == 0)[:, None, None, None]
     rows = mx.arange(B)
     n_keep = captured[0].conv_input.shape[1] - fed
     pos = (last + 1)[:, None, None] + mx.arange(n_keep)[None, :, None]
+    at = last[:, None, None, None, None]
     for cap in captured:
-        if fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
+        if isinstance(cap.states, mx.array):  # [B, S, ...]: one gather, reading only the kept states
+            cap.cache[1] = mx.take_along_axis(cap.states, at, axis=1)[:, 0]
+        elif fed == 2:  # the common k = 1 case: one select instead of a stack and a gather
             cap.cache[1] = mx.where(first, cap.states[0], cap.states[1])
         else:
             cap.cache[1] = mx.stack(cap.states)[last, rows]

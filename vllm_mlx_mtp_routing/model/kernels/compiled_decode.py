@@ -28,8 +28,9 @@ from .retype import retype
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 # (the gated-delta layer, its normed input, conv state, recurrent state) -> (output, conv window input, final state,
 # the state after each position): backbone._layer_core with capture
-Core = Callable[[Any, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, list[mx.array]]]
-VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, list[mx.array]]]
+# (one [B, S, ...] array, or one array a position: backbone.Kept)
+Core = Callable[[Any, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, Any]]
+VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, Any]]
 
 
 def layer_tail(layer: DecoderLayer, x: mx.array, r: mx.array) -> mx.array:
@@ -47,7 +48,7 @@ def _layer_step(layer: DecoderLayer, x: mx.array, conv_state: mx.array, state: m
 
 
 def _verify_layer(layer: DecoderLayer, core: Core, h: mx.array, conv_state: mx.array,
-                  state: mx.array) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
+                  state: mx.array) -> tuple[mx.array, mx.array, mx.array, Any]:
     r, conv_input, final, states = core(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
     return layer_tail(layer, h, r), conv_input, final, states
 
@@ -76,7 +77,7 @@ class CompiledDecoderLayer(DecoderLayer):
         return out
 
     def verify_step(self, h: mx.array, conv_state: mx.array, state: mx.array,
-                    core: Core) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
+                    core: Core) -> tuple[mx.array, mx.array, mx.array, Any]:
         """The verify's whole layer (norms, the gated-delta layer through ``core``, the MLP, the residuals) compiled,
         one graph per ``core`` (the active recurrence) -> (output, conv window input, final state, every state)."""
         steps: dict[Core, VerifyStep] = self.__dict__.setdefault("_verify_steps", {})
