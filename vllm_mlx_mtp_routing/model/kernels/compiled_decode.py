@@ -27,8 +27,7 @@ from .retype import retype
 
 Step = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 # (the gated-delta layer, its normed input, conv state, recurrent state) -> (output, conv window input, final state,
-# the state after each position): backbone._layer_core with capture
-# (one [B, S, ...] array, or one array a position: backbone.Kept)
+# the state after each position as one [B, S, ...] array or one array a position): backbone._layer_core with capture
 Core = Callable[[Any, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, Any]]
 VerifyStep = Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array, Any]]
 
