@@ -257,7 +257,7 @@ class BatchScheduler:
                         # CPU seconds: other work on the machine must not shrink a lone prompt's chunks
                         self._last_chunk_rate = (time.process_time() - cpu) / ran.tokens
                     record.chunk(ran.tokens, ran.seconds)
-                    if isinstance(work, PrefillChunk) and self.layer_pieces is not None and self.running:
+                    if isinstance(work, PrefillChunk) and self._pacing() is not None:
                         self._note_piece(work, ran.seconds)
                     elif isinstance(work, MediaEncode) and not work.whole:
                         self._note_encode(work, ran.seconds)
@@ -328,11 +328,16 @@ class BatchScheduler:
         last = None if first + n >= blocks else first + n
         return MediaEncode(row, image, e - s, first, last, blocks)
 
+    def _pacing(self) -> LayerPieces | None:
+        """What sizes a chunk's pieces of layers: the budget while rows decode; None: chunks run whole."""
+        return self.layer_pieces if self.running else None
+
     def _piece(self, row: Row, start: int, end: int, first: int, spent_s: float = 0.0) -> PrefillChunk:
         """While rows decode, as many of the chunk's layers as its stall bound leaves room for; otherwise the rest."""
         last = None
-        if self.layer_pieces is not None and self.running:
-            stop = self.layer_pieces.piece_end(start, end - start, first, self._piece_scale, spent_s)
+        pieces = self._pacing()
+        if pieces is not None:
+            stop = pieces.piece_end(start, end - start, first, self._piece_scale, spent_s)
             last = None if stop >= self.layers else stop
         return PrefillChunk(row, start, end, first, last, self.layers)
 
@@ -341,7 +346,7 @@ class BatchScheduler:
         rate; anything else, or with no row decoding, as long as the step's last item took."""
         if not self.running:
             return last_s
-        if isinstance(work, PrefillChunk) and self.layer_pieces is not None:
+        if isinstance(work, PrefillChunk) and self._pacing() is not None:
             return self._piece_scale * self._piece_projection(work)
         media = work.row.req.media
         if isinstance(work, MediaEncode) and media is not None and work.image in media.block_s:
