@@ -14,10 +14,10 @@ Per shape and batch size B, in one process, with B rows decoding and none finish
 with its CPU seconds per step (``time.process_time``: graph build + encoding/launching, and on MLX's CPU backend the
 compute itself) and the main thread's (``time.thread_time``). On CUDA one more block per loop reads the device's
 busy time per step and its kernels per step from CUPTI, with the most launched kernels and those that took the most
-device time, by name (lib/device_busy.py; n/a without cupti-python, and on the CPU, where the device is the CPU). The bandwidth bound of a step is the bytes it must read over the memory
-bandwidth: every weight a token touches (lm_head whole, the embedding's B rows; MoE: the routed experts the step
-actually touched, counted on one engine step, plus the shared expert), the KV cache of the attention layers at the
-context length and the gated-delta layers' state.
+device time, by name (lib/device_busy.py; n/a without cupti-python, and on the CPU, where the device is the CPU). The
+bandwidth bound of a step is the bytes it must read over the memory bandwidth: every weight a token touches (lm_head
+whole, the embedding's B rows; MoE: the routed experts the step actually touched, counted on one engine step, plus the
+shared expert), the KV cache of the attention layers at the context length and the gated-delta layers' state.
 
 With ``--mtp-batches``: MTP on against plain decoding in the engine at forced acceptance ``--acceptance``
 (support/forced_acceptance.py: the verify agrees with each draft with probability a; k = 1, every row drafting),
@@ -325,7 +325,7 @@ def per_step_names(busy: DeviceBusy, steps: int, top: int = 40) -> dict[str, flo
 
 
 def per_step_times(busy: DeviceBusy, steps: int, top: int = 25) -> dict[str, float]:
-    """The last traced window's kernels that took the most device time, in ms per step: where a step's busy time goes."""
+    """The last traced window's kernels that took the most device time, ms per step: where its busy time goes."""
     return {name: round(1e3 * t / steps, 4) for name, t in busy.kernel_seconds.most_common(top)}
 
 
