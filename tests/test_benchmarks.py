@@ -173,7 +173,7 @@ def test_decode_loops_smoke(tmp_path: Path) -> None:
     # 2 experts of 8 per token: one row touches 2 per layer, two rows 2-4
     assert one["moe_distinct_experts_per_layer"] == 2 and 2 <= two["moe_distinct_experts_per_layer"] <= 4
     # MTP against plain under the dispatch the build measured and under mlx-lm's rule
-    assert [m["dispatch"] for m in shape["mtp"]] == ["measured", "mlx-lm"] and shape["moe_dispatch"]["sort_at"]
+    assert [m["dispatch"] for m in shape["mtp"]] == ["measured", "mlx-lm"] and shape["moe_dispatch"]["way_at"]
     for mtp in shape["mtp"]:
         assert mtp["batch"] == 2 and mtp["speedup"] > 0 and 0 < mtp["acceptance"] <= 1
         # what a step of each side costs (no device busy time on the CPU)

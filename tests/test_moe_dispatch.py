@@ -1,8 +1,8 @@
 """The MoE switch's dispatch (model/kernels/moe_dispatch.py): per call size, from times measured on the loaded model.
 
 The plain step and the MTP verify of one batch size must not be split by mlx-lm's fixed threshold (at 8 experts a token
-and 4 rows: 32 pairs gather, 64 sort) but each take the way measured faster for its size; on MLX's CPU backend both
-ways give the same bits, so the choice cannot change an output there (the fp32 MoE model's greedy tests run
+and 4 rows: 32 pairs gather, 64 sort) but each take the way measured fastest for its size; on MLX's CPU backend every
+way gives the same bits, so the choice cannot change an output there (the fp32 MoE model's greedy tests run
 unchanged: test_moe_e2e.py).
 """
 
@@ -16,26 +16,38 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from vllm_mlx_mtp_routing.model.kernels.moe_dispatch import MEASURED_TOKENS, MLX_LM, DispatchedSwitchGLU, DispatchPlan, set_plan
+from vllm_mlx_mtp_routing.model.kernels.moe_dispatch import (
+    GATHER,
+    GATHER_BY_EXPERT,
+    MEASURED_TOKENS,
+    MLX_LM,
+    SORTED,
+    WAYS,
+    DispatchedSwitchGLU,
+    DispatchPlan,
+    set_plan,
+)
 
 
 def test_plan_takes_the_measured_way_per_size_and_mlx_lms_rule_past_it() -> None:
     # mlx-lm's rule splits a batch of 4 rows at 8 experts a token: the plain step gathers, the verify sorts
-    assert MLX_LM.sort(tokens=4, pairs=32) is False and MLX_LM.sort(tokens=8, pairs=64) is True
-    plan = DispatchPlan(sort_at=((1, False), (4, False), (8, False), (16, True)))
-    assert plan.sort(tokens=4, pairs=32) is False and plan.sort(tokens=8, pairs=64) is False  # the same way for both
-    assert plan.sort(tokens=3, pairs=24) is False  # a size between two measured ones takes the larger one's way
-    assert plan.sort(tokens=9, pairs=72) is True and plan.sort(tokens=16, pairs=128) is True
-    assert plan.sort(tokens=17, pairs=8) is False and plan.sort(tokens=512, pairs=4096) is True  # past it: mlx-lm's rule
-    assert plan.describe() == "gather at 1-8 tokens, sorted at 9-16 tokens; past 16: mlx-lm's rule"
+    assert MLX_LM.way(tokens=4, pairs=32) == GATHER and MLX_LM.way(tokens=8, pairs=64) == SORTED
+    plan = DispatchPlan(way_at=((1, GATHER), (4, GATHER), (8, GATHER), (16, SORTED), (24, GATHER_BY_EXPERT)))
+    assert plan.way(tokens=4, pairs=32) == plan.way(tokens=8, pairs=64) == GATHER  # the same way for both
+    assert plan.way(tokens=3, pairs=24) == GATHER  # a size between two measured ones takes the larger one's way
+    assert plan.way(tokens=9, pairs=72) == plan.way(tokens=16, pairs=128) == SORTED
+    assert plan.way(tokens=17, pairs=136) == plan.way(tokens=24, pairs=192) == GATHER_BY_EXPERT
+    assert plan.way(tokens=25, pairs=8) == GATHER and plan.way(tokens=512, pairs=4096) == SORTED  # past it: mlx-lm's
+    assert plan.describe() == ("gather at 1-8 tokens, sorted at 9-16 tokens, gather_by_expert at 17-24 tokens; "
+                               "past 24: mlx-lm's rule")
 
 
 def test_measured_at_build_and_both_ways_give_the_same_bits_on_the_cpu(
     moe_vlm_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Building the text model of the fp32 MoE checkpoint measures the dispatch once (one log line) and gives the
-    backbone's and the head's switches the plan; on the CPU sorted and gathered calls agree bit for bit at decode and
-    prefill sizes, and a whole forward does not change with the plan."""
+    backbone's and the head's switches the plan; on the CPU every way's calls agree bit for bit at decode and prefill
+    sizes, and a whole forward does not change with the plan."""
     from mlx_vlm import load
 
     from vllm_mlx_mtp_routing.model.text_model import build_text_model
@@ -54,7 +66,7 @@ def test_measured_at_build_and_both_ways_give_the_same_bits_on_the_cpu(
     assert len(switches) == len(model.model.layers) + len(head.layers)
     plan = switches[0].plan
     # the smallest sizes first, as many as the time budget allows (all of them on a GPU)
-    assert [n for n, _ in plan.sort_at] == list(MEASURED_TOKENS[: len(plan.sort_at)]) and plan.sort_at
+    assert [n for n, _ in plan.way_at] == list(MEASURED_TOKENS[: len(plan.way_at)]) and plan.way_at
     assert all(s.plan is plan for s in switches)
 
     block = model.model.layers[0].mlp
@@ -62,18 +74,19 @@ def test_measured_at_build_and_both_ways_give_the_same_bits_on_the_cpu(
     for shape in ((1, 1), (4, 1), (4, 2), (8, 2), (2, 40)):
         x = mx.random.normal((*shape, model.args.hidden_size), key=mx.random.key(sum(shape)))
         inds = mx.argpartition(block.gate(x), kth=-k, axis=-1)[..., -k:]
-        gathered, ordered = block.switch_mlp.dispatch(x, inds, False), block.switch_mlp.dispatch(x, inds, True)
-        assert mx.array_equal(gathered, ordered).item(), shape
+        gathered, *others = (block.switch_mlp.dispatch(x, inds, way) for way in WAYS)
+        assert gathered.shape == (*shape, k, model.args.hidden_size)
+        assert all(mx.array_equal(gathered, other).item() for other in others), shape
 
     ids = mx.array([[11, 200, 31, 4, 999, 5]])
+    outs = []
     try:
-        set_plan(DispatchPlan(tuple((n, False) for n in MEASURED_TOKENS)), model, head)
-        every_gather = model(ids)
-        set_plan(DispatchPlan(tuple((n, True) for n in MEASURED_TOKENS)), model, head)
-        every_sort = model(ids)
+        for way in WAYS:
+            set_plan(DispatchPlan(tuple((n, way) for n in MEASURED_TOKENS)), model, head)
+            outs.append(model(ids))
     finally:
         set_plan(plan, model, head)
-    assert mx.array_equal(every_gather, every_sort).item()
+    assert all(mx.array_equal(outs[0], out).item() for out in outs[1:])
 
 
 def test_a_gpu_measures_every_decode_size_each_compiled_before_it_is_timed(
@@ -90,17 +103,19 @@ def test_a_gpu_measures_every_decode_size_each_compiled_before_it_is_timed(
     path = moe_vlm_factory("mlx")
     vlm, _ = load(str(path))
     bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
-    calls: list[tuple[int, bool]] = []
+    calls: list[tuple[int, str]] = []
     dispatch = DispatchedSwitchGLU.dispatch
 
-    def counted(self: DispatchedSwitchGLU, x: mx.array, indices: mx.array, do_sort: bool) -> mx.array:
-        calls.append((indices.shape[0], do_sort))
-        return dispatch(self, x, indices, do_sort)
+    def counted(self: DispatchedSwitchGLU, x: mx.array, indices: mx.array, way: str) -> mx.array:
+        calls.append((indices.shape[0], way))
+        return dispatch(self, x, indices, way)
 
     monkeypatch.setattr(DispatchedSwitchGLU, "dispatch", counted)
     monkeypatch.setattr(moe_dispatch, "on_gpu", lambda: True)
     plan = moe_dispatch.measure(bundle.model, bundle.mtp)
-    assert plan is not None and [n for n, _ in plan.sort_at] == list(MEASURED_TOKENS)
+    assert plan is not None and [n for n, _ in plan.way_at] == list(MEASURED_TOKENS)
     layers = min(moe_dispatch.TIMED_LAYERS, len(bundle.model.model.layers))
     for n in MEASURED_TOKENS:  # one untimed call each way, then the timed repeats
-        assert calls.count((n, False)) == calls.count((n, True)) == layers * (1 + moe_dispatch.REPEATS), n
+        assert all(calls.count((n, way)) == layers * (1 + moe_dispatch.REPEATS) for way in WAYS), n
+    # the fastest way of each size is the one planned
+    assert all(way == WAYS[ms.index(min(ms))] for (_, way), (_, ms) in zip(plan.way_at, plan.timings_ms))

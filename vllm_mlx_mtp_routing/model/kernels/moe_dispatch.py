@@ -4,13 +4,15 @@ times measured on the loaded model, not by mlx-lm's fixed threshold.
 mlx-lm 0.31.3 sorts a call's pairs by expert once it holds 64 of them and multiplies them grouped by expert
 (``sorted_indices``; on CUDA a grouped GEMM over every expert); below that each pair is its own matrix-vector product
 (a gather). At 8 experts a token the threshold splits the calls of one batch size: at 4 rows the plain step's [4, 1]
-call (32 pairs) gathers while the MTP verify's [4, 2] call (64) sorts, whichever is faster for each. Here
-``DispatchedSwitchGLU`` (the class swaps.py gives every ``SwitchGLU``) takes the way its ``DispatchPlan`` names for
-the call's number of tokens; ``measure`` times both ways on the model's own MoE layers at every token count a decode
-call has (up to ``MEASURED_TOKENS``' largest, within a time budget) and keeps the faster of each. Larger calls
-(prefill chunks), sizes left unmeasured and an unmeasured plan follow mlx-lm's rule. Either way each pair's product
-is the same arithmetic on MLX's CPU backend (its GatherMM multiplies pair by pair and ignores the sort), so outputs
-there do not depend on the choice.
+call (32 pairs) gathers while the MTP verify's [4, 2] call (64) sorts, whichever is faster for each. A third way sorts
+the pairs by expert and still gathers: each pair is its own product as in a gather (so the same bits), but the pairs of
+one expert run side by side, so a verify's tokens that share an expert read its weights from the device's cache rather
+than once each. Here ``DispatchedSwitchGLU`` (the class swaps.py gives every ``SwitchGLU``) takes the way its
+``DispatchPlan`` names for the call's number of tokens; ``measure`` times every way on the model's own MoE layers at
+every token count a decode call has (up to ``MEASURED_TOKENS``' largest, within a time budget) and keeps the fastest of
+each. Larger calls (prefill chunks), sizes left unmeasured and an unmeasured plan follow mlx-lm's rule. Whichever way,
+each pair's product is the same arithmetic on MLX's CPU backend (its GatherMM multiplies pair by pair and ignores the
+sort), so outputs there do not depend on the choice.
 """
 
 from __future__ import annotations
@@ -41,68 +43,78 @@ REPEATS = 3
 # every size; the CPU's stays small.
 MEASURE_BUDGET_S = {"cpu": 1.5, "gpu": 20.0}
 
+GATHER = "gather"  # pairs in token order, each its own matrix-vector product
+SORTED = "sorted"  # mlx-lm's sort: pairs grouped by expert, multiplied as a grouped matrix product
+GATHER_BY_EXPERT = "gather_by_expert"  # pairs sorted by expert, each its own product (a gather's bits)
+WAYS = (GATHER, SORTED, GATHER_BY_EXPERT)
+
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Whether a call sorts its pairs, by its token count: ``sort_at`` holds (at most this many tokens, sort?) in
+    """The way (one of ``WAYS``) a call takes by its token count: ``way_at`` holds (at most this many tokens, way) in
     ascending order; a call past the last, or any call of a plan without any, follows mlx-lm's rule."""
 
-    sort_at: tuple[tuple[int, bool], ...] = ()
-    timings_ms: tuple[tuple[int, float, float], ...] = ()  # (tokens, gather ms, sorted ms) of the timed layers
+    way_at: tuple[tuple[int, str], ...] = ()
+    timings_ms: tuple[tuple[int, tuple[float, ...]], ...] = ()  # (tokens, ms of each of WAYS) over the timed layers
 
-    def sort(self, tokens: int, pairs: int) -> bool:
-        for bound, do_sort in self.sort_at:
+    def way(self, tokens: int, pairs: int) -> str:
+        for bound, way in self.way_at:
             if tokens <= bound:
-                return do_sort
-        return pairs >= MLX_LM_SORT_PAIRS
+                return way
+        return SORTED if pairs >= MLX_LM_SORT_PAIRS else GATHER
 
     def describe(self) -> str:
-        if not self.sort_at:
+        if not self.way_at:
             return f"mlx-lm's rule (sort from {MLX_LM_SORT_PAIRS} pairs)"
-        runs: list[tuple[bool, int, int]] = []
+        runs: list[tuple[str, int, int]] = []
         lo = 1
-        for bound, do_sort in self.sort_at:
-            if runs and runs[-1][0] == do_sort:
-                runs[-1] = (do_sort, runs[-1][1], bound)
+        for bound, way in self.way_at:
+            if runs and runs[-1][0] == way:
+                runs[-1] = (way, runs[-1][1], bound)
             else:
-                runs.append((do_sort, lo, bound))
+                runs.append((way, lo, bound))
             lo = bound + 1
-        return ", ".join(f"{'sorted' if s else 'gather'} at {a}-{b} tokens" if a != b else f"{'sorted' if s else 'gather'} at {a}"
-                         for s, a, b in runs) + f"; past {self.sort_at[-1][0]}: mlx-lm's rule"
+        return ", ".join(f"{w} at {a}-{b} tokens" if a != b else f"{w} at {a}"
+                         for w, a, b in runs) + f"; past {self.way_at[-1][0]}: mlx-lm's rule"
 
 
 MLX_LM = DispatchPlan()
 
 
 class DispatchedSwitchGLU(SwitchGLU):
-    """mlx-lm's ``SwitchGLU`` (mlx-lm 0.31.3's ``__call__``, line for line) with the sort decided by ``plan``; an
-    unsorted call gathers the gate and up experts in one where they were fused (fused_projections.py)."""
+    """mlx-lm's ``SwitchGLU`` (mlx-lm 0.31.3's ``__call__``, line for line) with the way decided by ``plan``; a call
+    that gathers does the gate and up experts in one where they were fused (fused_projections.py)."""
 
     plan: DispatchPlan = MLX_LM  # the class's: mlx-lm's rule until measure() sets the instance's
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self.dispatch(x, indices, self.plan.sort(indices.size // indices.shape[-1], indices.size))
+        return self.dispatch(x, indices, self.plan.way(indices.size // indices.shape[-1], indices.size))
 
-    def dispatch(self, x: mx.array, indices: mx.array, do_sort: bool) -> mx.array:
+    def dispatch(self, x: mx.array, indices: mx.array, way: str) -> mx.array:
         x = mx.expand_dims(x, (-2, -3))
         idx = indices
         inv_order = None
-        if do_sort:
-            x, idx, inv_order = gather_sort(x, indices)
+        if way != GATHER:
+            x, idx, inv_order = gather_sort(x, indices)  # x [pairs, 1, H], idx [pairs]
+            if way == GATHER_BY_EXPERT:
+                x, idx = x[:, None], idx[:, None]  # each pair a row of one expert, as a gather's tokens
+        grouped = way == SORTED
         if self.training:
             idx = mx.stop_gradient(idx)
         fused = fused_of(self)
-        if fused is not None and not do_sort:
+        if fused is not None and not grouped:
             # gate's experts then up's, stacked (fused_projections.py): one gather over each pair's two experts
             stacked, (experts,) = fused
             k = idx.shape[-1]
             both = stacked(x, mx.concatenate([idx, idx + experts], axis=-1))
             x_gate, x_up = both[..., :k, :, :], both[..., k:, :, :]
         else:
-            x_up = self.up_proj(x, idx, sorted_indices=do_sort)
-            x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
-        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
-        if do_sort:
+            x_up = self.up_proj(x, idx, sorted_indices=grouped)
+            x_gate = self.gate_proj(x, idx, sorted_indices=grouped)
+        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=grouped)
+        if way == GATHER_BY_EXPERT:
+            x = x.squeeze(1)
+        if inv_order is not None:
             x = scatter_unsort(x, inv_order, indices.shape)
         return x.squeeze(-2)
 
@@ -135,11 +147,11 @@ def _fastest_ms(fn: Callable[[], None]) -> float:
 
 
 def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float | None = None) -> DispatchPlan | None:
-    """Time both ways on up to ``TIMED_LAYERS`` of the model's MoE blocks at each of ``MEASURED_TOKENS`` in turn (inputs
+    """Time every way on up to ``TIMED_LAYERS`` of the model's MoE blocks at each of ``MEASURED_TOKENS`` in turn (inputs
     random, routed by each block's own router) until ``budget_s`` is spent, give the model's and the head's switches
-    the plan of the faster ones, and return it; None for a model without MoE blocks. Sizes the budget left unmeasured
+    the plan of the fastest, and return it; None for a model without MoE blocks. Sizes the budget left unmeasured
     follow mlx-lm's rule (MLX's CPU backend, slow at this, measures the smallest decode calls only). On a GPU each size
-    is called both ways once before it is timed, so its kernels' compilation for a new size is not what is compared."""
+    is called every way once before it is timed, so its kernels' compilation for a new size is not what is compared."""
     blocks = [layer.mlp for layer in model.model.layers if isinstance(getattr(layer.mlp, "switch_mlp", None), DispatchedSwitchGLU)]
     if not blocks:
         return None
@@ -154,28 +166,27 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float | N
         mx.eval(x, routed)
         return x, routed
 
-    def call(x: mx.array, routed: list[mx.array], do_sort: bool) -> None:
-        mx.eval([blk.switch_mlp.dispatch(x, inds, do_sort) for blk, inds in zip(blocks, routed)])
+    def call(x: mx.array, routed: list[mx.array], way: str) -> None:
+        mx.eval([blk.switch_mlp.dispatch(x, inds, way) for blk, inds in zip(blocks, routed)])
 
     gpu = on_gpu()
     if budget_s is None:
         budget_s = MEASURE_BUDGET_S["gpu" if gpu else "cpu"]
-    for do_sort in (False, True):  # kernels compiled and planned before the clock starts
-        call(*inputs(MEASURED_TOKENS[0]), do_sort)
-    sort_at, timings = [], []
+    for way in WAYS:  # kernels compiled and planned before the clock starts
+        call(*inputs(MEASURED_TOKENS[0]), way)
+    way_at, timings = [], []
     deadline = time.perf_counter() + budget_s
     for n in MEASURED_TOKENS:
         if time.perf_counter() > deadline:
             break
         x, routed = inputs(n)
         if gpu and n != MEASURED_TOKENS[0]:
-            for do_sort in (False, True):  # this size's kernels compiled before it is timed
-                call(x, routed, do_sort)
-        gather_ms = _fastest_ms(functools.partial(call, x, routed, False))
-        sorted_ms = _fastest_ms(functools.partial(call, x, routed, True))
-        sort_at.append((n, sorted_ms < gather_ms))
-        timings.append((n, round(gather_ms, 4), round(sorted_ms, 4)))
-    plan = DispatchPlan(tuple(sort_at), tuple(timings))
+            for way in WAYS:  # this size's kernels compiled before it is timed
+                call(x, routed, way)
+        ms = [_fastest_ms(functools.partial(call, x, routed, way)) for way in WAYS]
+        way_at.append((n, WAYS[ms.index(min(ms))]))
+        timings.append((n, tuple(round(t, 4) for t in ms)))
+    plan = DispatchPlan(tuple(way_at), tuple(timings))
     set_plan(plan, model, head)
     logger.info("TextModel: MoE expert dispatch measured on %d of its MoE layers: %s", len(blocks), plan.describe())
     return plan

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""The MoE switch's three dispatch ways (model/kernels/moe_dispatch.py) on a GPU, at a MoE shape's decode sizes:
+whether sorting the pairs by expert and still gathering gives the gather's bits (it should: each pair is the same
+product), how far mlx-lm's grouped sort lies from them, and what each way costs over ``--layers`` MoE blocks in one
+graph (the step's shape), alternated, median of ``--rounds``. Writes a JSON result; run on a CUDA machine.
+
+  python benchmarks/gpu/moe_ways_check.py --shape qwen35-35b-a3b --out moe_ways.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from lib.random_model import build, text_config  # noqa: E402
+from lib.shapes import PRESETS  # noqa: E402
+
+from vllm_mlx_mtp_routing.model.kernels import moe_dispatch  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen35-35b-a3b")
+    ap.add_argument("--layers", type=int, default=8, help="MoE blocks built and called in one graph")
+    ap.add_argument("--tokens", default="1,4,8,12,16,24,32,48")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--dtype", default="bfloat16", help="float32 on MLX's CPU backend (its GatherMM's only type)")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+
+    dtype = getattr(mx, a.dtype)
+    model, _ = build(text_config(PRESETS[a.shape], a.layers), dtype, [])
+    blocks = [layer.mlp for layer in model.model.layers]
+    H, k = model.args.hidden_size, blocks[0].top_k
+    rows = []
+    for n in [int(t) for t in a.tokens.split(",")]:
+        x = mx.random.normal((n, H), key=mx.random.key(7 + n)).astype(dtype)
+        routed = [mx.argpartition(b.gate(x), kth=-k, axis=-1)[..., -k:] for b in blocks]
+        mx.eval(x, routed)
+        outs = {w: [b.switch_mlp.dispatch(x, r, w) for b, r in zip(blocks, routed)] for w in moe_dispatch.WAYS}
+        mx.eval(outs)
+        gather = outs[moe_dispatch.GATHER]
+        times: dict[str, list[float]] = {w: [] for w in moe_dispatch.WAYS}
+        for _ in range(a.rounds):
+            for w in moe_dispatch.WAYS:
+                t = time.perf_counter()
+                mx.eval([b.switch_mlp.dispatch(x, r, w) for b, r in zip(blocks, routed)])
+                times[w].append(1000 * (time.perf_counter() - t))
+        distinct = statistics.mean(len(set(r.flatten().tolist())) for r in routed)
+        row = {
+            "tokens": n, "pairs": n * k, "distinct_experts_per_layer": round(distinct, 1),
+            "by_expert_bitwise_gather": all(mx.array_equal(g, o).item()
+                                            for g, o in zip(gather, outs[moe_dispatch.GATHER_BY_EXPERT])),
+            "sorted_max_abs_diff": max(mx.abs(g.astype(mx.float32) - o.astype(mx.float32)).max().item()
+                                       for g, o in zip(gather, outs[moe_dispatch.SORTED])),
+            "ms_median": {w: round(statistics.median(v), 3) for w, v in times.items()},
+        }
+        row["by_expert_over_gather"] = round(row["ms_median"][moe_dispatch.GATHER_BY_EXPERT]
+                                             / row["ms_median"][moe_dispatch.GATHER], 3)
+        rows.append(row)
+        print("moe_ways: " + json.dumps(row), flush=True)
+    result = {"benchmark": "moe_ways_check", "shape": a.shape, "layers": a.layers, "device": str(mx.default_device()),
+              "rounds": a.rounds, "rows": rows}
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+    return 0 if all(r["by_expert_bitwise_gather"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
