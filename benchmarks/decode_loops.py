@@ -614,9 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         plans = {"measured": measured, "mlx-lm": moe_dispatch.MLX_LM} if measured is not None else {"-": None}
         if measured is not None:
             shape["moe_dispatch"] = {"measured": measured.describe(), "way_at": measured.way_at,
-                                     "ways": moe_dispatch.WAYS, "timings_ms_tokens_ways": measured.timings_ms}
+                                     "ways": measured.ways, "timings_ms_tokens_ways": measured.timings_ms}
             print(f"decode_loops: MoE dispatch measured at build: {measured.describe()}; (tokens, ms of "
-                  f"{', '.join(moe_dispatch.WAYS)}) over {moe_dispatch.TIMED_LAYERS} layers: {measured.timings_ms}",
+                  f"{', '.join(measured.ways)}) over {moe_dispatch.TIMED_LAYERS} layers: {measured.timings_ms}",
                   flush=True)
         for B in [int(b) for b in a.mtp_batches.split(",") if b]:
             for policy in [d for d in a.dispatch.split(",") if d in plans] or list(plans)[:1]:

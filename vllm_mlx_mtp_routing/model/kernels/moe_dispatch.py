@@ -4,15 +4,14 @@ times measured on the loaded model, not by mlx-lm's fixed threshold.
 mlx-lm 0.31.3 sorts a call's pairs by expert once it holds 64 of them and multiplies them grouped by expert
 (``sorted_indices``; on CUDA a grouped GEMM over every expert); below that each pair is its own matrix-vector product
 (a gather). At 8 experts a token the threshold splits the calls of one batch size: at 4 rows the plain step's [4, 1]
-call (32 pairs) gathers while the MTP verify's [4, 2] call (64) sorts, whichever is faster for each. A third way sorts
-the pairs by expert and still gathers: each pair is its own product as in a gather (so the same bits), but the pairs of
-one expert run side by side, so a verify's tokens that share an expert read its weights from the device's cache rather
-than once each. Here ``DispatchedSwitchGLU`` (the class swaps.py gives every ``SwitchGLU``) takes the way its
-``DispatchPlan`` names for the call's number of tokens; ``measure`` times every way on the model's own MoE layers at
-every token count a decode call has (up to ``MEASURED_TOKENS``' largest, within a time budget) and keeps the fastest of
-each. Larger calls (prefill chunks), sizes left unmeasured and an unmeasured plan follow mlx-lm's rule. Whichever way,
-each pair's product is the same arithmetic on MLX's CPU backend (its GatherMM multiplies pair by pair and ignores the
-sort), so outputs there do not depend on the choice.
+call (32 pairs) gathers while the MTP verify's [4, 2] call (64) sorts, whichever is faster for each. On CUDA a third
+way reads each expert's weights once for all the call's pairs of it (expert_gemv.py), with the gather's bits. Here
+``DispatchedSwitchGLU`` (the class swaps.py gives every ``SwitchGLU``) takes the way its ``DispatchPlan`` names for the
+call's number of tokens; ``measure`` times every way the switches can take on the model's own MoE layers at every token
+count a decode call has (up to ``MEASURED_TOKENS``' largest, within a time budget) and keeps the fastest of each.
+Larger calls (prefill chunks), sizes left unmeasured and an unmeasured plan follow mlx-lm's rule. Whichever way, each
+pair's product is the same arithmetic on MLX's CPU backend (its GatherMM multiplies pair by pair and ignores the sort),
+so outputs there do not depend on the choice.
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlx_lm_internals import SwitchGLU, gather_sort, scatter_unsort
-from .device import on_gpu
+from . import expert_gemv
+from .device import on_cuda, on_gpu
 from .fused_projections import fused_of
 from .retype import modules_of, retype
 
@@ -43,10 +43,10 @@ REPEATS = 3
 # every size; the CPU's stays small.
 MEASURE_BUDGET_S = {"cpu": 1.5, "gpu": 20.0}
 
-GATHER = "gather"  # pairs in token order, each its own matrix-vector product
+GATHER = "gather"  # each pair its own matrix-vector product
 SORTED = "sorted"  # mlx-lm's sort: pairs grouped by expert, multiplied as a grouped matrix product
-GATHER_BY_EXPERT = "gather_by_expert"  # pairs sorted by expert, each its own product (a gather's bits)
-WAYS = (GATHER, SORTED, GATHER_BY_EXPERT)
+BY_EXPERT = "by_expert"  # expert_gemv.py: each expert's weights read once for its pairs (CUDA)
+WAYS = (GATHER, SORTED, BY_EXPERT)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class DispatchPlan:
     ascending order; a call past the last, or any call of a plan without any, follows mlx-lm's rule."""
 
     way_at: tuple[tuple[int, str], ...] = ()
-    timings_ms: tuple[tuple[int, tuple[float, ...]], ...] = ()  # (tokens, ms of each of WAYS) over the timed layers
+    ways: tuple[str, ...] = ()  # the ways timed
+    timings_ms: tuple[tuple[int, tuple[float, ...]], ...] = ()  # (tokens, ms of each of ``ways``) over the timed layers
 
     def way(self, tokens: int, pairs: int) -> str:
         for bound, way in self.way_at:
@@ -90,15 +91,25 @@ class DispatchedSwitchGLU(SwitchGLU):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return self.dispatch(x, indices, self.plan.way(indices.size // indices.shape[-1], indices.size))
 
+    def ways(self, pairs: int) -> tuple[str, ...]:
+        """The ways this switch can take for a call of ``pairs`` pairs."""
+        return WAYS if self._by_expert_serves(pairs) else (GATHER, SORTED)
+
+    def _by_expert_serves(self, pairs: int) -> bool:
+        parts = (self.gate_proj, self.up_proj, self.down_proj)
+        # mlx-lm's or mlx-vlm's SwitchLinear, unquantized (a quantized one holds scales) and without a bias
+        return (on_cuda() and not self.training and all("scales" not in m and "bias" not in m for m in parts)
+                and all(expert_gemv.serves(m["weight"], pairs) for m in parts))
+
     def dispatch(self, x: mx.array, indices: mx.array, way: str) -> mx.array:
+        if way == BY_EXPERT and self._by_expert_serves(indices.size):
+            return self._by_expert(x, indices)
         x = mx.expand_dims(x, (-2, -3))
         idx = indices
         inv_order = None
-        if way != GATHER:
-            x, idx, inv_order = gather_sort(x, indices)  # x [pairs, 1, H], idx [pairs]
-            if way == GATHER_BY_EXPERT:
-                x, idx = x[:, None], idx[:, None]  # each pair a row of one expert, as a gather's tokens
         grouped = way == SORTED
+        if grouped:
+            x, idx, inv_order = gather_sort(x, indices)
         if self.training:
             idx = mx.stop_gradient(idx)
         fused = fused_of(self)
@@ -112,11 +123,22 @@ class DispatchedSwitchGLU(SwitchGLU):
             x_up = self.up_proj(x, idx, sorted_indices=grouped)
             x_gate = self.gate_proj(x, idx, sorted_indices=grouped)
         x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=grouped)
-        if way == GATHER_BY_EXPERT:
-            x = x.squeeze(1)
-        if inv_order is not None:
+        if grouped:
             x = scatter_unsort(x, inv_order, indices.shape)
         return x.squeeze(-2)
+
+    def _by_expert(self, x: mx.array, indices: mx.array) -> mx.array:
+        idx = indices.reshape(-1, indices.shape[-1])  # a view: argpartition's slice keeps its row stride
+        x = x.reshape(-1, x.shape[-1])
+        fused = fused_of(self)
+        if fused is not None:
+            both = expert_gemv.expert_gemv(x, fused[0]["weight"], idx, sets=2)  # gate's experts then up's
+            x_gate, x_up = both[:, 0], both[:, 1]
+        else:
+            x_gate = expert_gemv.expert_gemv(x, self.gate_proj["weight"], idx)[:, 0]
+            x_up = expert_gemv.expert_gemv(x, self.up_proj["weight"], idx)[:, 0]
+        y = expert_gemv.expert_gemv(self.activation(x_up, x_gate), self.down_proj["weight"], idx, per_pair=True)
+        return y.reshape(*indices.shape, y.shape[-1])
 
 
 def _switches(*roots: nn.Module | None) -> Iterator[nn.Module]:
@@ -166,13 +188,15 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float | N
         mx.eval(x, routed)
         return x, routed
 
+    ways = [w for w in WAYS if all(w in blk.switch_mlp.ways(MEASURED_TOKENS[-1] * k) for blk in blocks)]
+
     def call(x: mx.array, routed: list[mx.array], way: str) -> None:
         mx.eval([blk.switch_mlp.dispatch(x, inds, way) for blk, inds in zip(blocks, routed)])
 
     gpu = on_gpu()
     if budget_s is None:
         budget_s = MEASURE_BUDGET_S["gpu" if gpu else "cpu"]
-    for way in WAYS:  # kernels compiled and planned before the clock starts
+    for way in ways:  # kernels compiled and planned before the clock starts
         call(*inputs(MEASURED_TOKENS[0]), way)
     way_at, timings = [], []
     deadline = time.perf_counter() + budget_s
@@ -181,12 +205,12 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float | N
             break
         x, routed = inputs(n)
         if gpu and n != MEASURED_TOKENS[0]:
-            for way in WAYS:  # this size's kernels compiled before it is timed
+            for way in ways:  # this size's kernels compiled before it is timed
                 call(x, routed, way)
-        ms = [_fastest_ms(functools.partial(call, x, routed, way)) for way in WAYS]
-        way_at.append((n, WAYS[ms.index(min(ms))]))
+        ms = [_fastest_ms(functools.partial(call, x, routed, way)) for way in ways]
+        way_at.append((n, ways[ms.index(min(ms))]))
         timings.append((n, tuple(round(t, 4) for t in ms)))
-    plan = DispatchPlan(tuple(way_at), tuple(timings))
+    plan = DispatchPlan(tuple(way_at), tuple(ways), tuple(timings))
     set_plan(plan, model, head)
     logger.info("TextModel: MoE expert dispatch measured on %d of its MoE layers: %s", len(blocks), plan.describe())
     return plan
