@@ -390,8 +390,7 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
 
 def dispatch_plan(loaded: Loaded) -> Any:
     """The MoE switches' measured plan (None for a dense model)."""
-    switches = [m for _, m in loaded.model.named_modules() if isinstance(m, moe_dispatch.DispatchedSwitchGLU)]
-    return switches[0].plan if switches else None
+    return moe_dispatch.plan_of(loaded.model)
 
 
 def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy) -> dict:

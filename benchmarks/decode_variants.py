@@ -20,6 +20,8 @@ not (a GPU), or again:
   acceptance's read;
 - ``kept_array``: MTP steps, the verify's kept gated-delta states left as the kernel's one array, the rollback
   gathering the kept ones (``backbone.kept_array_devices``, CUDA) against one array a position, stacked to gather.
+- ``by_expert`` (plain steps) and ``by_expert_mtp`` (MTP steps): an MoE model's expert dispatch as measured at build
+  against the plan had the expert kernel (model/kernels/expert_gemv.py, CUDA) not been timed.
 
 The model takes the engine's layers for the device (the compiled step where ``swaps.compiled_decode_devices`` has it);
 per batch size, two schedulers hold the same restored rows in steady decode; rounds of ``--block`` steps alternate
@@ -52,7 +54,7 @@ from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 from support.forced_acceptance import ForcedAcceptanceDecode  # noqa: E402
 from vllm_mlx_mtp_routing.model import backbone  # noqa: E402
-from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import causal_conv, fused_projections, gated_delta_layer, moe_dispatch  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.compiled_decode import CompiledDecoderLayer, retrace  # noqa: E402
 from vllm_mlx_mtp_routing.model.kernels.device import kind  # noqa: E402
 from vllm_mlx_mtp_routing.model.mlx_lm_internals import DecoderLayer  # noqa: E402
@@ -62,7 +64,8 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
 OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early",
-           "kept_array")
+           "kept_array", "by_expert", "by_expert_mtp")
+PLAIN_OPTIONS = ("compiled_decode", "fused_projections", "by_expert")
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k: int = 1) -> BatchScheduler:
@@ -82,9 +85,10 @@ DEVICE_SETS = {"conv_step": lambda: causal_conv.conv_step_devices,
                "kept_array": lambda: backbone.kept_array_devices}
 MTP_DEVICE_SETS = ("kept_array",)
 _detached: dict[int, dict] = {}  # the fused projections taken off a model while its "off" side runs
+_measured_plans: dict[int, Any] = {}  # an MoE model's expert dispatch as built, while an "off" side runs without a way
 
 
-def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
+def switch(option: str, model: Any, sched: BatchScheduler, on: bool, head: Any = None) -> None:
     if option in ("compiled_decode", "compiled_verify"):
         for layer in model.model.layers:
             if layer.is_linear:
@@ -93,6 +97,10 @@ def switch(option: str, model: Any, sched: BatchScheduler, on: bool) -> None:
         devices = DEVICE_SETS[option]()
         (devices.add if on else devices.discard)(kind())
         retrace(model.model.layers)  # a compiled step traced one way: traced again
+    elif option in ("by_expert", "by_expert_mtp"):
+        plan = _measured_plans.setdefault(id(model), moe_dispatch.plan_of(model))
+        if plan is not None:
+            moe_dispatch.set_plan(plan if on else plan.without(moe_dispatch.BY_EXPERT), model, head)
     elif option == "fused_projections":
         if on:
             fused_projections.attach(_detached.pop(id(model), {}))
@@ -115,7 +123,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int,
             k: int = 1) -> dict:
-    mtp = option not in ("compiled_decode", "fused_projections", *(o for o in DEVICE_SETS if o not in MTP_DEVICE_SETS))
+    mtp = option not in (*PLAIN_OPTIONS, *(o for o in DEVICE_SETS if o not in MTP_DEVICE_SETS))
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     devices = {name: set(members()) for name, members in DEVICE_SETS.items()}  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}
@@ -123,11 +131,11 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
     try:
         scheds = {on: scheduler(model, head, tok, rows, B, mtp, k) for on in (False, True)}
         for on in (False, True):  # warm-up: each side's kernels compiled, its graphs traced
-            switch(option, model, scheds[on], on)
+            switch(option, model, scheds[on], on, head)
             steps(scheds[on], 3)
         for r in range(rounds):
             for on in (False, True) if r % 2 == 0 else (True, False):
-                switch(option, model, scheds[on], on)
+                switch(option, model, scheds[on], on, head)
                 w, c = steps(scheds[on], block)
                 wall[on].append(w)
                 cpu[on].append(c)
@@ -137,6 +145,8 @@ def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, ro
         for layer, cls in zip(model.model.layers, classes):
             layer.__class__ = cls
         fused_projections.attach(_detached.pop(id(model), {}))
+        if id(model) in _measured_plans:
+            moe_dispatch.set_plan(_measured_plans.pop(id(model)), model, head)
         for name, members in DEVICE_SETS.items():
             members().clear()
             members().update(devices[name])

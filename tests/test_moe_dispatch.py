@@ -42,6 +42,15 @@ def test_plan_takes_the_measured_way_per_size_and_mlx_lms_rule_past_it() -> None
                                "past 24: mlx-lm's rule")
 
 
+def test_a_plan_without_a_way_takes_the_fastest_of_the_others() -> None:
+    plan = DispatchPlan(way_at=((1, BY_EXPERT), (8, GATHER), (24, BY_EXPERT)), ways=WAYS,
+                        timings_ms=((1, (1.0, 2.0, 0.9)), (8, (1.5, 5.0, 1.6)), (24, (3.3, 3.1, 2.9))))
+    off = plan.without(BY_EXPERT)
+    assert off.ways == (GATHER, SORTED) and off.way_at == ((1, GATHER), (8, GATHER), (24, SORTED))
+    assert off.timings_ms == ((1, (1.0, 2.0)), (8, (1.5, 5.0)), (24, (3.3, 3.1)))
+    assert off.without(BY_EXPERT) is off
+
+
 def test_measured_at_build_and_both_ways_give_the_same_bits_on_the_cpu(
     moe_vlm_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:

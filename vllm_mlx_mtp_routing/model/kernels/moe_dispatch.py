@@ -64,6 +64,15 @@ class DispatchPlan:
                 return way
         return SORTED if pairs >= MLX_LM_SORT_PAIRS else GATHER
 
+    def without(self, way: str) -> DispatchPlan:
+        """The plan had ``way`` not been timed: each measured size takes the fastest of the other ways."""
+        if way not in self.ways:
+            return self
+        keep = [i for i, w in enumerate(self.ways) if w != way]
+        way_at = tuple((n, self.ways[min(keep, key=lambda i: ms[i])]) for n, ms in self.timings_ms)
+        timings = tuple((n, tuple(ms[i] for i in keep)) for n, ms in self.timings_ms)
+        return DispatchPlan(way_at, tuple(self.ways[i] for i in keep), timings)
+
     def describe(self) -> str:
         if not self.way_at:
             return f"mlx-lm's rule (sort from {MLX_LM_SORT_PAIRS} pairs)"
@@ -152,6 +161,11 @@ def _switches(*roots: nn.Module | None) -> Iterator[nn.Module]:
 def use_dispatched_switch(module: nn.Module) -> int:
     """Give every mlx-lm ``SwitchGLU`` under ``module`` the dispatched call (mlx-lm's rule until measured); how many."""
     return retype(modules_of(module), SwitchGLU, DispatchedSwitchGLU)
+
+
+def plan_of(model: nn.Module) -> DispatchPlan | None:
+    """The plan ``model``'s MoE switches take (None for a model without any)."""
+    return next((m.plan for m in _switches(model)), None)
 
 
 def set_plan(plan: DispatchPlan, *roots: nn.Module | None) -> None:
