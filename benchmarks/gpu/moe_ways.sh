@@ -6,7 +6,8 @@
 #
 # Staging and running: benchmarks/README.md ("GPU runs").
 #
-# Environment: GPU_MOE_PROCS (default 1), GPU_MOE_CHECK (1: run the check first, default 1), GPU_MOE_AB (default 0),
+# Environment: GPU_MOE_PROCS (default 1), GPU_MOE_CHECK (1: run the check first, default 1), GPU_MOE_CHECK_ARGS (its
+# extra arguments), GPU_MOE_AB (default 0),
 # SITE, OUT (default benchmarks/results/gpu_moe_ways). Files: $OUT/moe_ways.json, $OUT/variants.json, $OUT/procN.json,
 # their logs.
 set -uo pipefail
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 rc=0
 if [ "${GPU_MOE_CHECK:-1}" = 1 ]; then
-  $PY benchmarks/gpu/moe_ways_check.py --out "$OUT/moe_ways.json" > "$OUT/moe_ways.log" 2>&1 || rc=1
+  $PY benchmarks/gpu/moe_ways_check.py ${GPU_MOE_CHECK_ARGS:-} --out "$OUT/moe_ways.json" > "$OUT/moe_ways.log" 2>&1 || rc=1
   grep "moe_ways:" "$OUT/moe_ways.log" | tail -8
 fi
 if [ "${GPU_MOE_AB:-0}" = 1 ]; then

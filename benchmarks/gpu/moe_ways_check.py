@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from lib.random_model import build, text_config  # noqa: E402
 from lib.shapes import PRESETS  # noqa: E402
 
-from vllm_mlx_mtp_routing.model.kernels import fused_projections, moe_dispatch  # noqa: E402
+from vllm_mlx_mtp_routing.model.kernels import expert_gemv, fused_projections, moe_dispatch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="MoE blocks built and called in one graph")
     ap.add_argument("--tokens", default="1,4,8,12,16,24,32,48")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rows", default="", help="also time the expert kernel at these rows a warp, wide:narrow K "
+                    "(e.g. 2:4,8:16)")
     ap.add_argument("--dtype", default="bfloat16", help="float32 on MLX's CPU backend (its GatherMM's only type)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -57,6 +59,24 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 mx.eval([b.switch_mlp.dispatch(x, r, w) for b, r in zip(blocks, routed)])
                 times[w].append(1000 * (time.perf_counter() - t))
+        for variant in [v for v in a.rows.split(",") if v]:
+            wide, narrow = (int(r) for r in variant.split(":"))
+            before = dict(expert_gemv.ROWS)
+            expert_gemv.ROWS.update({1024: wide, 0: narrow})
+            try:
+                run = lambda: mx.eval([b.switch_mlp.dispatch(x, r, moe_dispatch.BY_EXPERT)  # noqa: E731
+                                       for b, r in zip(blocks, routed)])
+                run()
+                times[f"by_expert_rows_{variant}"] = []
+                for _ in range(a.rounds):
+                    for w in (moe_dispatch.BY_EXPERT, f"by_expert_rows_{variant}"):
+                        expert_gemv.ROWS.update(before if w == moe_dispatch.BY_EXPERT else {1024: wide, 0: narrow})
+                        t = time.perf_counter()
+                        run()
+                        times[w].append(1000 * (time.perf_counter() - t))
+            finally:
+                expert_gemv.ROWS.clear()
+                expert_gemv.ROWS.update(before)
         distinct = statistics.mean(len(set(r.flatten().tolist())) for r in routed)
         row = {
             "tokens": n, "pairs": n * k, "distinct_experts_per_layer": round(distinct, 1),

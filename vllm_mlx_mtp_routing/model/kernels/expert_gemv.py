@@ -20,6 +20,9 @@ from typing import Any
 import mlx.core as mx
 
 WARPS = 8  # a block's warps: MLX's rows_per_block
+# Rows a warp takes, by the weight's K: from 1024 (the gate and up experts) 4, below (the down experts) 8; a block then
+# reads 64-128 KB of weights
+ROWS = {1024: 4, 0: 8}
 MAX_PAIRS = 1024  # a call's pairs the block's list holds (a decode call has at most 64 tokens x 8 experts + a head's)
 
 _HEADER = """
@@ -96,7 +99,7 @@ def expert_gemv(x: mx.array, weight: mx.array, indices: mx.array, sets: int = 1,
     ``per_pair`` [tokens * k, K] (a pair's own input) -> [tokens * k, sets, N]."""
     _, N, K = weight.shape
     pairs = indices.size
-    rows = 4 if K >= 1024 else 8  # rows a warp takes: a block reads 64-128 KB of weights
+    rows = next(r for k, r in sorted(ROWS.items(), reverse=True) if K >= k)
     blocks_y = -(-sets * N // (WARPS * rows))
     (out,) = _kernel()(
         inputs=[mx.contiguous(x), weight, indices],
