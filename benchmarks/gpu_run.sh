@@ -23,6 +23,7 @@
 #   cuda_graphs  decode_loops.py untraced under MLX's CUDA graph settings (graphs off, commit limits), alternated
 #   cpu_step     decode_loops.py at the 2B shape, batch 1: the step's CPU, processes traced and untraced, alternated
 #   vision_stall  vision_stall.py, running streams while an image's vision tower runs: in pieces of blocks vs one call
+#   moe_ways     the MoE switch's dispatch ways at 35B-A3B (bits, times), the expert kernel's A/B, the MoE MTP criterion
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 job=${1:-}
