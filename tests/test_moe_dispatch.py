@@ -131,3 +131,27 @@ def test_a_gpu_measures_every_decode_size_each_compiled_before_it_is_timed(
         assert calls.count((n, BY_EXPERT)) == (0 if BY_EXPERT not in plan.ways else calls.count((n, GATHER))), n
     # the fastest way of each size is the one planned
     assert all(way == plan.ways[ms.index(min(ms))] for (_, way), (_, ms) in zip(plan.way_at, plan.timings_ms))
+
+
+def test_an_expert_kernel_that_cannot_run_leaves_mlxs_ways_with_a_warning(
+    moe_vlm_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The expert kernel is compiled at its first call; where it cannot run (here: MLX's CPU backend asked to run a
+    CUDA kernel) start-up goes on with the gather and the sort, and says so once."""
+    from mlx_vlm import load
+
+    from vllm_mlx_mtp_routing.model.kernels import moe_dispatch
+    from vllm_mlx_mtp_routing.model.text_model import build_text_model
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("needs a backend without CUDA")
+    path = moe_vlm_factory("mlx")
+    vlm, _ = load(str(path))
+    bundle = build_text_model(vlm, path, json.loads((path / "config.json").read_text()))
+    monkeypatch.setattr(moe_dispatch, "on_cuda", lambda: True)
+    switch = next(m for _, m in bundle.model.named_modules() if isinstance(m, DispatchedSwitchGLU))
+    assert BY_EXPERT in switch.ways(64)
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_mtp_routing"):
+        plan = moe_dispatch.measure(bundle.model, bundle.mtp, budget_s=0.2)
+    assert plan is not None and plan.ways == (GATHER, SORTED) and BY_EXPERT not in dict(plan.way_at).values()
+    assert [r.getMessage() for r in caplog.records if "expert kernel did not run" in r.getMessage()]

@@ -60,10 +60,18 @@ _SOURCE = """
       if (g >= Sets * N) break;
       const int s = g / N;
       const int row = g % N;
-      const T* w_row = w + ((size_t)(e + s * experts) * N + row) * K;
+      // by the weight's strides: mlx-vlm's split of fused gate_up experts leaves views a row apart of their experts
+      const T* w_row = w + (size_t)(e + s * experts) * w_strides[0] + (size_t)row * w_strides[1];
       Vec wr[ITERS];
       #pragma unroll
-      for (int it = 0; it < ITERS; ++it) wr[it] = *reinterpret_cast<const Vec*>(w_row + (it * 32 + lane) * V);
+      for (int it = 0; it < ITERS; ++it) {
+        const int col = (it * 32 + lane) * V;
+        if (w_strides[2] == 1) {
+          wr[it] = *reinterpret_cast<const Vec*>(w_row + col);
+        } else {
+          for (int j = 0; j < V; ++j) wr[it].v[j] = w_row[(size_t)(col + j) * w_strides[2]];
+        }
+      }
       for (int m = 0; m < n; ++m) {
         const int q = match[m];
         const T* x_row = x + (size_t)(PerPair ? q : q / per_token) * K;
@@ -88,7 +96,7 @@ def _kernel() -> Any:
 
 
 def serves(weight: mx.array, pairs: int) -> bool:
-    """Whether ``expert_gemv`` takes a switch weight [experts, N, K] for a call of ``pairs`` pairs."""
+    """Whether ``expert_gemv`` takes a switch weight [experts, N, K] (any strides) for a call of ``pairs`` pairs."""
     return (weight.ndim == 3 and weight.dtype in (mx.bfloat16, mx.float16, mx.float32)
             and weight.shape[2] % 128 == 0 and pairs <= MAX_PAIRS)
 

@@ -111,7 +111,7 @@ class DispatchedSwitchGLU(SwitchGLU):
                 and all(expert_gemv.serves(m["weight"], pairs) for m in parts))
 
     def dispatch(self, x: mx.array, indices: mx.array, way: str) -> mx.array:
-        if way == BY_EXPERT and self._by_expert_serves(indices.size):
+        if way == BY_EXPERT and self._by_expert_serves(indices.size) and x.dtype == self.down_proj["weight"].dtype:
             return self._by_expert(x, indices)
         x = mx.expand_dims(x, (-2, -3))
         idx = indices
@@ -206,6 +206,13 @@ def measure(model: nn.Module, head: nn.Module | None = None, budget_s: float | N
 
     def call(x: mx.array, routed: list[mx.array], way: str) -> None:
         mx.eval([blk.switch_mlp.dispatch(x, inds, way) for blk, inds in zip(blocks, routed)])
+
+    if BY_EXPERT in ways:
+        try:  # the package's own kernel, compiled at its first call: a toolchain that cannot build it keeps MLX's ways
+            call(*inputs(MEASURED_TOKENS[0]), BY_EXPERT)
+        except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError or ValueError from the JIT
+            logger.warning("TextModel: the MoE expert kernel did not run (%s); the switch gathers or sorts", e)
+            ways.remove(BY_EXPERT)
 
     gpu = on_gpu()
     if budget_s is None:
