@@ -155,3 +155,30 @@ def test_an_expert_kernel_that_cannot_run_leaves_mlxs_ways_with_a_warning(
         plan = moe_dispatch.measure(bundle.model, bundle.mtp, budget_s=0.2)
     assert plan is not None and plan.ways == (GATHER, SORTED) and BY_EXPERT not in dict(plan.way_at).values()
     assert [r.getMessage() for r in caplog.records if "expert kernel did not run" in r.getMessage()]
+
+
+def test_the_expert_kernel_is_offered_only_where_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a switch offers the expert kernel for unquantized, bias-free experts whose rows are a multiple of 128
+    wide, up to the kernel's pairs; elsewhere only MLX's two ways."""
+    import mlx.nn as nn
+
+    from vllm_mlx_mtp_routing.model.kernels import expert_gemv, moe_dispatch
+
+    def switch(input_dims: int = 256, hidden_dims: int = 128, bias: bool = False) -> DispatchedSwitchGLU:
+        s = DispatchedSwitchGLU(input_dims, hidden_dims, 4, bias=bias)
+        s.train(False)
+        return s
+
+    assert switch().ways(8) == (GATHER, SORTED)  # MLX's CPU backend
+    monkeypatch.setattr(moe_dispatch, "on_cuda", lambda: True)
+    assert switch().ways(8) == WAYS and switch().ways(expert_gemv.MAX_PAIRS) == WAYS
+    assert switch().ways(expert_gemv.MAX_PAIRS + 1) == (GATHER, SORTED)
+    assert switch(bias=True).ways(8) == (GATHER, SORTED)
+    assert switch(input_dims=192).ways(8) == (GATHER, SORTED)  # the gate and up experts' rows
+    assert switch(hidden_dims=64).ways(8) == (GATHER, SORTED)  # the down experts' rows
+    quantized = switch()
+    nn.quantize(quantized, group_size=64, bits=4)
+    assert quantized.ways(8) == (GATHER, SORTED)
+    training = switch()
+    training.train(True)
+    assert training.ways(8) == (GATHER, SORTED)
