@@ -23,7 +23,7 @@ WARPS = 8  # a block's warps: MLX's rows_per_block
 # Rows a warp takes, by the weight's K: from 1024 (the gate and up experts) 4, below (the down experts) 8; a block then
 # reads 64-128 KB of weights
 ROWS = {1024: 4, 0: 8}
-MAX_PAIRS = 1024  # a call's pairs the block's list holds (a decode call has at most 64 tokens x 8 experts + a head's)
+MAX_PAIRS = 1024  # the pairs a block lists: twice a measured decode call's most (64 tokens x 8 experts)
 
 _HEADER = """
 #include <cooperative_groups.h>
