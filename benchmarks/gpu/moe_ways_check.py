@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The MoE switch's three dispatch ways (model/kernels/moe_dispatch.py) on a GPU, at a MoE shape's decode sizes:
 whether the expert kernel (expert_gemv.py, each expert's weights read once) gives the gather's bits, with the gate and
-up experts fused and apart (it should: each pair is the same sum), how far mlx-lm's grouped sort lies from them, and what each way costs over ``--layers`` MoE blocks in one
-graph (the step's shape), alternated, median of ``--rounds``. Writes a JSON result; run on a CUDA machine.
+up experts fused and apart (it should: each pair is the same sum); how far mlx-lm's grouped sort lies from them; and
+what each way costs over ``--layers`` MoE blocks in one graph (the step's shape), alternated, median of ``--rounds``.
+Writes a JSON result; run on a CUDA machine.
 
   python benchmarks/gpu/moe_ways_check.py --shape qwen35-35b-a3b --out moe_ways.json
 """
