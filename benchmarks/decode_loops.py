@@ -388,11 +388,6 @@ def loops_at(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy, bw
 # -- MTP on against plain ---------------------------------------------------------------------------------------
 
 
-def dispatch_plan(loaded: Loaded) -> Any:
-    """The MoE switches' measured plan (None for a dense model)."""
-    return moe_dispatch.plan_of(loaded.model)
-
-
 def mtp_against_plain(loaded: Loaded, B: int, a: argparse.Namespace, busy: DeviceBusy) -> dict:
     """MTP on against plain at batch ``B``: tokens/s of alternated rounds, and what a step of each costs (wall, process
     CPU and, under CUPTI, the device's busy time per step; medians over the rounds), so a step that costs more than its
@@ -609,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             write()
             print("decode_loops: " + json.dumps({"shape": name, **{k: row[k] for k in row if k != "bytes_per_step"}}),
                   flush=True)
-        measured = dispatch_plan(loaded)
+        measured = moe_dispatch.plan_of(loaded.model)
         plans = {"measured": measured, "mlx-lm": moe_dispatch.MLX_LM} if measured is not None else {"-": None}
         if measured is not None:
             shape["moe_dispatch"] = {"measured": measured.describe(), "way_at": measured.way_at,

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_loops puts th
 import decode_loops as dl
 import mlx.core as mx
 
+from vllm_mlx_mtp_routing.model.kernels import moe_dispatch
 from vllm_mlx_mtp_routing.model.kernels.device import kind
 from vllm_mlx_mtp_routing.text_engine.spec import verify
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                               "versions": dl.versions(), "shape": a.shape,
                               "layers": loaded.config["num_hidden_layers"], "build_s": round(time.perf_counter() - t0, 1),
                               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "rows": []}
-    plan = dl.dispatch_plan(loaded)
+    plan = moe_dispatch.plan_of(loaded.model)
     if plan is not None:
         result["moe_dispatch"] = plan.describe()
     for B in [int(b) for b in a.batches.split(",") if b]:
