@@ -2,14 +2,14 @@
 # GPU job at the 35B-A3B shape: the MoE switch's dispatch ways (benchmarks/gpu/moe_ways_check.py: bits and times over
 # 8 MoE blocks); with GPU_MOE_AB=1 the engine's steps with the expert kernel in the plan against without
 # (decode_variants.py, plain and two-draft MTP steps, batch 1 / 4 / 8); then the MoE MTP criterion (decode_loops.py,
-# two drafts, batch 1 / 2 / 4 / 8, forced acceptance 0.8) in GPU_MOE_PROCS processes, each its own build and its own
-# measured dispatch.
+# GPU_MOE_KS drafts, batch 1 / 2 / 4 / 8, forced acceptance 0.8) in GPU_MOE_PROCS processes, each its own build and
+# its own measured dispatch.
 #
 # Staging and running: benchmarks/README.md ("GPU runs").
 #
 # Environment: GPU_MOE_PROCS (default 1), GPU_MOE_CHECK (1: run the check first, default 1), GPU_MOE_CHECK_ARGS (its
-# extra arguments), GPU_MOE_AB (default 0), SITE, OUT (default benchmarks/results/gpu_moe_ways). Files:
-# $OUT/moe_ways.json, $OUT/variants.json, $OUT/procN.json, their logs.
+# extra arguments), GPU_MOE_AB (default 0), GPU_MOE_KS (draft counts beside one, default 2), SITE, OUT (default
+# benchmarks/results/gpu_moe_ways). Files: $OUT/moe_ways.json, $OUT/variants.json, $OUT/procN.json, their logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -31,8 +31,8 @@ if [ "${GPU_MOE_AB:-0}" = 1 ]; then
   tail -3 "$OUT/variants.log"
 fi
 for i in $(seq 1 "$PROCS"); do
-  $PY benchmarks/decode_loops.py --shapes 35b-a3b --batches "" --loops engine --mtp-batches 1,2,4,8 --mtp-ks 2 \
-      --dispatch measured --no-cupti --out "$OUT/proc$i.json" > "$OUT/proc$i.log" 2>&1 || rc=1
+  $PY benchmarks/decode_loops.py --shapes 35b-a3b --batches "" --loops engine --mtp-batches 1,2,4,8 \
+      --mtp-ks "${GPU_MOE_KS:-2}" --dispatch measured --no-cupti --out "$OUT/proc$i.json" > "$OUT/proc$i.log" 2>&1 || rc=1
   grep "MoE dispatch measured\|decode_loops: mtp" "$OUT/proc$i.log" | cut -c1-400
 done
 exit $rc

@@ -55,6 +55,7 @@ _SOURCE = """
     constexpr int V = 4;
     constexpr int ITERS = K / (32 * V);
     struct alignas(sizeof(T) * V) Vec { T v[V]; };
+    const bool w_unit = w_strides[2] == 1;
     for (int r = 0; r < Rows; ++r) {
       const int g = (blockIdx.y * Rows + r) * Warps + threadIdx.y;  // this warp's row over the sets
       if (g >= Sets * N) break;
@@ -63,13 +64,15 @@ _SOURCE = """
       // by the weight's strides: mlx-vlm's split of fused gate_up experts leaves views a row apart of their experts
       const T* w_row = w + (size_t)(e + s * experts) * w_strides[0] + (size_t)row * w_strides[1];
       Vec wr[ITERS];
-      #pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        const int col = (it * 32 + lane) * V;
-        if (w_strides[2] == 1) {
-          wr[it] = *reinterpret_cast<const Vec*>(w_row + col);
-        } else {
-          for (int j = 0; j < V; ++j) wr[it].v[j] = w_row[(size_t)(col + j) * w_strides[2]];
+      // the branch outside the unrolled loops: with every index known when compiled, wr stays in registers
+      if (w_unit) {
+        #pragma unroll
+        for (int it = 0; it < ITERS; ++it) wr[it] = *reinterpret_cast<const Vec*>(w_row + (it * 32 + lane) * V);
+      } else {
+        #pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          #pragma unroll
+          for (int j = 0; j < V; ++j) wr[it].v[j] = w_row[(size_t)((it * 32 + lane) * V + j) * w_strides[2]];
         }
       }
       for (int m = 0; m < n; ++m) {
