@@ -64,7 +64,7 @@ _SOURCE = """
       // by the weight's strides: mlx-vlm's split of fused gate_up experts leaves views a row apart of their experts
       const T* w_row = w + (size_t)(e + s * experts) * w_strides[0] + (size_t)row * w_strides[1];
       Vec wr[ITERS];
-      // the branch outside the unrolled loops: with every index known when compiled, wr stays in registers
+      // the stride test outside the unrolled loads: inside them it slowed every load (docs/benchmarks.md)
       if (w_unit) {
         #pragma unroll
         for (int it = 0; it < ITERS; ++it) wr[it] = *reinterpret_cast<const Vec*>(w_row + (it * 32 + lane) * V);
