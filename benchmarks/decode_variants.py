@@ -65,7 +65,7 @@ from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 SHAPES = {"small": "tiny", "small-moe": "tiny-moe", "2b": "qwen35-2b", "9b": "qwen35-9b", "35b-a3b": "qwen35-35b-a3b"}
 OPTIONS = ("compiled_decode", "compiled_verify", "fused_projections", "conv_step", "fused_layer", "launch_early",
            "kept_array", "by_expert", "by_expert_mtp")
-PLAIN_OPTIONS = ("compiled_decode", "fused_projections", "by_expert")
+MTP_OPTIONS = ("compiled_verify", "launch_early", "kept_array", "by_expert_mtp")  # timed on MTP steps, the rest on plain
 
 
 def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k: int = 1) -> BatchScheduler:
@@ -83,7 +83,6 @@ def scheduler(model: Any, head: Any, tok: Any, rows: Rows, B: int, mtp: bool, k:
 DEVICE_SETS = {"conv_step": lambda: causal_conv.conv_step_devices,
                "fused_layer": lambda: gated_delta_layer.fused_layer_devices,
                "kept_array": lambda: backbone.kept_array_devices}
-MTP_DEVICE_SETS = ("kept_array",)
 _detached: dict[int, dict] = {}  # the fused projections taken off a model while its "off" side runs
 _measured_plans: dict[int, Any] = {}  # an MoE model's expert dispatch as built, while an "off" side runs without a way
 
@@ -123,7 +122,7 @@ def steps(sched: BatchScheduler, n: int) -> tuple[float, float]:
 
 def measure(option: str, model: Any, head: Any, tok: Any, rows: Rows, B: int, rounds: int, block: int,
             k: int = 1) -> dict:
-    mtp = option not in (*PLAIN_OPTIONS, *(o for o in DEVICE_SETS if o not in MTP_DEVICE_SETS))
+    mtp = option in MTP_OPTIONS
     classes = [type(layer) for layer in model.model.layers]  # as the model was built: restored after
     devices = {name: set(members()) for name, members in DEVICE_SETS.items()}  # likewise
     wall: dict[bool, list[float]] = {False: [], True: []}
