@@ -203,6 +203,25 @@ def test_vision_stall_smoke(tmp_path: Path) -> None:
     assert res["tokens_equal"] and pieced["image_first_token"] == whole["image_first_token"]
 
 
+def test_mixed_round_cpu_smoke(tmp_path: Path) -> None:
+    """The mixed round's CPU accounting on the committed trained model: every request of the round has a first token
+    and a decode span, the prefill inside a span is part of it, and the image rows' prefills are counted (no timing
+    asserted)."""
+    import mixed_round_cpu as MR
+
+    out = tmp_path / "mixed_round_cpu.json"
+    assert MR.main(["--rounds", "1", "--max-tokens", "6", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (rnd,) = res["rounds"]
+    assert [r["kind"] for r in rnd["requests"]] == ["text", "image", "text", "image"]
+    for r in rnd["requests"]:
+        assert r["first_token_cpu_s"] > 0 and r["span_cpu_s"] > 0
+        assert 0 <= r["prefill_in_span_cpu_s"] <= r["span_cpu_s"] and 0 < r["own_share"] <= 1
+    # the round prefilled four prompts, two of them through the vision tower; alone it prefills the same four
+    assert 0 < rnd["prefill_cpu_s"] <= rnd["cpu_s"] and res["prefill_alone_cpu_s"][0] > 0
+    assert set(res["summary"]) == {"text", "image", "prefill_in_round_over_alone"}
+
+
 def test_device_busy_is_the_union_of_the_windows_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """lib/device_busy.py over a stand-in for cupti-python: records outside a window are dropped, overlapping work
     counts once, work crossing the window's edges counts inside it only, and kernels are counted, by name too."""

@@ -50,7 +50,13 @@ def device_line() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return (f"MLX {mx.__version__} {mx.default_device()}, {os.cpu_count()} cores {cpu}, "
-            f"Python {platform.python_version()}{gpu_names()}")
+            f"Python {platform.python_version()}{gpu_names()}{preloaded()}")
+
+
+def preloaded() -> str:
+    """', LD_PRELOAD libmlx_openblas.so' where a library is preloaded (cpu_openblas.sh's gemm), else ''."""
+    libs = [Path(x).name for x in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()]
+    return f", LD_PRELOAD {' '.join(libs)}" if libs else ""
 
 
 def gpu_names() -> str:
