@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU mixed text + image load (benchmarks/mixed_load.py): host alone, host + the plugin and mlx-vlm's own server on
 # MLX's CUDA backend, a Qwen3.5-2B-shaped model with random bf16 weights (benchmarks/make_qwen35_2b.py), plugin MTP off
-# then on. Staging and running: benchmarks/README.md ("GPU runs"), with mlx-audio==0.6.2 among the staged wheels
-# (mlx-vlm's server imports it).
+# then on. Staging and running: benchmarks/README.md ("GPU runs"), with mlx-audio==0.6.2, cryptography, cffi and
+# pycparser among the staged wheels (mlx-vlm's server imports them).
 # Environment: GPU_MIXED_CONFIGS ("plain mtp": the plugin without, then with --enable-mtp), MTP_FORCE_ACCEPTANCE (the
 # plugin's verify accepts each draft with this probability: the random head drafts nothing the backbone agrees with),
 # GPU_MIXED_LIMIT_S (per configuration, default 240; on a machine's first run the servers' start-up can take most of
