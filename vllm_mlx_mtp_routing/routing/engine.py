@@ -92,8 +92,9 @@ class RoutingEngine(EngineDecorator):
         if settings.enable_mtp and host.disable_mllm_mtp(wrapped):
             logger.info(
                 "MTP moved off the mlx-vlm path (the host's MLLM MTP drops image embeddings), so the host's "
-                "'MTP: MLLM path ...' line above no longer applies: text requests get MTP on the text path "
-                "(stats: /v1/status mtp and plugins.mtp-routing.mtp); media requests decode without it"
+                "'MTP: MLLM path ...' line above no longer applies: text and image requests get MTP on the text path "
+                "(stats: /v1/status mtp and plugins.mtp-routing.mtp); requests left on the mlx-vlm path (video, "
+                "audio) decode without it"
             )
 
     # -- lifecycle ---------------------------------------------------------------------------
