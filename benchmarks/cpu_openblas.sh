@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MLX's Linux CPU wheel (mlx-cpu 0.32.4) links netlib's reference BLAS for its fp32 gemm; this builds a preload library
-# that sends those calls to OpenBLAS instead, so a CPU benchmark can be run in both regimes (docs/benchmarks.md, "Text
-# and images together"). Both servers of a run get it alike: set LD_PRELOAD before starting the benchmark.
+# that sends those calls to OpenBLAS instead, so a CPU benchmark can be run in both regimes (docs/benchmarks.md, "Where a
+# CPU round's decode goes"). Both servers of a run get it alike: set LD_PRELOAD before starting the benchmark.
 #
 #   bash benchmarks/cpu_openblas.sh /tmp/openblas        # then: LD_PRELOAD=/tmp/openblas/libmlx_openblas.so python ...
 #

@@ -29,13 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lib.media_engine import media_engine  # noqa: E402
 from lib.provenance import commit, device_line  # noqa: E402
 from mixed_load import messages  # noqa: E402
 
-from vllm_mlx_mtp_routing.model.media_forward import VisionParts  # noqa: E402
-from vllm_mlx_mtp_routing.model.text_model import build_text_model  # noqa: E402
-from vllm_mlx_mtp_routing.routing.media_prompt import prepare_media_chat  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.prefill_budget import DEFAULT_RATIO, calibrate  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
@@ -69,30 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
 
-    from mlx_vlm import load
-    from vllm_mlx.engine.batched import BatchedEngine
-
-    vlm, processor = load(str(a.model))
-    config = json.loads((a.model / "config.json").read_text())
-    bundle = build_text_model(vlm, a.model, config, enable_mtp=False)
-    vision = VisionParts(vlm, config)
-    sched = BatchScheduler(bundle.model, processor.tokenizer, max_num_seqs=CONCURRENCY, prefill_step_size=2048,
-                           vision=vision)
-    calibrate(bundle.model, max_chunk=2048, ratio=DEFAULT_RATIO, vocab_size=bundle.model.args.vocab_size).apply(sched)
+    engine = media_engine(a.model, max_num_seqs=CONCURRENCY)
+    tokenizer, sched = engine.processor.tokenizer, engine.sched
     sched.eos_ids = set()  # every reply runs to max_tokens, as mixed_load.py's do on the model before its chat tune
     clock = PrefillClock(sched)
-
-    def render(msgs: list[dict], images: int) -> str:
-        return processor.apply_chat_template(BatchedEngine._prepare_mllm_messages(msgs), tokenize=False,
-                                             add_generation_prompt=True)
 
     def request(i: int, rid: str, max_tokens: int) -> TextRequest:
         msgs = messages(i, image=i % 2 == 1)
         options = SamplingOptions(max_tokens=max_tokens)
         if i % 2 == 0:
-            return TextRequest(rid, processor.tokenizer.encode(render(msgs, 0)), options)
-        prompt = prepare_media_chat(processor, render, msgs, image_token_id=vision.image_token_id, merge=vision.merge,
-                                    positions=False)
+            return TextRequest(rid, tokenizer.encode(engine.render(msgs, 0)), options)
+        prompt = engine.media_prompt(msgs)
         return TextRequest(rid, list(prompt.ids), options, media=prompt.media)
 
     def one_round(offset: int) -> dict:

@@ -27,15 +27,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test support package: support.*
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
+from lib.media_engine import media_engine  # noqa: E402
 from lib.provenance import commit, device_line  # noqa: E402
 from mixed_load import image_url  # noqa: E402
 
-from vllm_mlx_mtp_routing.model.media_forward import VisionParts  # noqa: E402
-from vllm_mlx_mtp_routing.model.text_model import build_text_model  # noqa: E402
-from vllm_mlx_mtp_routing.routing.media_prompt import prepare_media_chat  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.prefill_budget import DEFAULT_RATIO, calibrate  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.sampling import SamplingOptions  # noqa: E402
-from vllm_mlx_mtp_routing.text_engine.scheduler import BatchScheduler  # noqa: E402
 from vllm_mlx_mtp_routing.text_engine.state import TextRequest  # noqa: E402
 
 TRAINED = ROOT / "models" / "tiny-qwen35-trained"
@@ -71,34 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     def progress(what: str) -> None:  # where a run cut off by a time limit spent its time
         print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
 
-    from mlx_vlm import load
-    from vllm_mlx.engine.batched import BatchedEngine
-
     path = build(a.model or Path(tempfile.gettempdir()) / f"vision-stall-vlm-{a.depth}x{a.vision_hidden}-{a.dtype}",
                  a.depth, a.vision_hidden, a.dtype)
     progress("model built")
-    vlm, processor = load(str(path))
-    if a.max_pixels:
-        processor.image_processor.max_pixels = a.max_pixels
-    config = json.loads((path / "config.json").read_text())
-    bundle = build_text_model(vlm, path, config, enable_mtp=False)
-    vision = VisionParts(vlm, config)
-    sched = BatchScheduler(bundle.model, processor.tokenizer, max_num_seqs=a.streams + 1, prefill_step_size=2048,
-                           vision=vision)
-    budget = calibrate(bundle.model, max_chunk=2048, ratio=DEFAULT_RATIO, vocab_size=bundle.model.args.vocab_size)
-    budget.apply(sched)
+    engine = media_engine(path, max_num_seqs=a.streams + 1, max_pixels=a.max_pixels)
+    sched = engine.sched
     progress("loaded and calibrated")
     blocks = sched.runner.vision_blocks
-
-    def render(msgs: list[dict], images: int) -> str:
-        return processor.apply_chat_template(BatchedEngine._prepare_mllm_messages(msgs), tokenize=False,
-                                             add_generation_prompt=True)
 
     def image_prompt(seed: int):
         msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(seed, (a.image_size,) * 2)}},
                                               {"type": "text", "text": "Describe this picture."}]}]
-        return prepare_media_chat(processor, render, msgs, image_token_id=vision.image_token_id, merge=vision.merge,
-                                  positions=False)
+        return engine.media_prompt(msgs)
 
     def one_round(r: int, pieces: bool) -> dict:
         sched.runner.vision_in_pieces = pieces
